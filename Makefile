@@ -1,0 +1,56 @@
+# Two commands set everything up on a fresh machine with Python 3.11 and pip:
+#   make demo   installs what it needs and runs the built-in demo
+#   make test   installs what it needs and runs every check and test
+PYTHON ?= python3
+VENV ?= .venv
+VLLM_VENV ?= .venv-vllm
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+.PHONY: test demo install vllm-env lint typecheck proto bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# vLLM 0.33 CPU-only, for the conformance tests (reference/vllm-kv-events.md §9.1).
+$(VLLM_STAMP): tests/conformance/requirements-vllm.txt
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q vllm==0.33.0 --no-deps
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/pip install -q -r tests/conformance/requirements-vllm.txt
+	$(VLLM_VENV)/bin/pip install -q --no-deps xgrammar==0.2.9 apache-tvm-ffi
+	touch $(VLLM_STAMP)
+
+vllm-env: $(VLLM_STAMP)
+
+proto: $(STAMP)
+	$(PY) -m proto.generate
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy indexer bridge router
+
+test: $(STAMP) $(VLLM_STAMP)
+	$(PY) -m proto.generate --check
+	$(MAKE) lint typecheck
+	KVROUTE_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python KVROUTE_REQUIRE_VLLM=1 \
+		$(VENV)/bin/pytest -q
+
+demo: $(STAMP)
+	$(VENV)/bin/kvroute demo
+
+bench: $(STAMP)
+	$(PY) -m bench.run_all
+
+clean:
+	rm -rf $(VENV) $(VLLM_VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -1,0 +1,1 @@
+"""The `kvroute` console command (subcommands live in their components)."""

@@ -57,9 +57,10 @@ class AgentSpec:
     task_tokens: IntRange = (40, 400)
     turns: IntRange = (8, 30)
     tool_call_tokens: IntRange = (20, 120)
-    tool_output_tokens: IntRange = (200, 3000)  # log-uniform
+    tool_output_tokens: IntRange = (200, 2500)  # log-uniform
     tool_time_s: float = 0.8  # mean of an exponential
-    max_context_tokens: int = 16000
+    # The simulated engines' default max_model_len is 8192; prompt + answer must fit.
+    max_context_tokens: int = 7500
 
 
 @dataclass(frozen=True)
@@ -256,7 +257,8 @@ class _Builder:
         out: list[TraceRequest] = []
         for turn in range(_uniform_int(rng, a.turns)):
             n_call = _uniform_int(rng, a.tool_call_tokens)
-            if n_tokens + n_call > a.max_context_tokens:
+            # The chat template adds a few tokens per message; keep room for them.
+            if n_tokens + n_call + 8 * len(messages) > a.max_context_tokens:
                 break
             think = 0.0 if turn == 0 else rng.expovariate(1.0 / a.tool_time_s)
             t += think

@@ -40,17 +40,6 @@ class WorkerSpec:
     model: str | None = None
     instance: str = ""
 
-    def same_engine(self, other: WorkerSpec) -> bool:
-        """True when `other` is the same engine incarnation (only cosmetic fields differ)."""
-        return (
-            self.url == other.url
-            and self.bridge == other.bridge
-            and self.zmq == other.zmq
-            and self.replay == other.replay
-            and self.dp_rank == other.dp_rank
-            and self.instance == other.instance
-        )
-
 
 def check_host_port(value: str, field: str) -> str:
     """Return `value` if it is a usable "host:port", else raise WorkerSpecError."""

@@ -268,7 +268,8 @@ def test_worker_engine_flags_bridge_sidecar_and_discovery_agree() -> None:
     assert b[b.index("--listen") + 1] == "0.0.0.0:50051"
     assert b[b.index("--http") + 1] == "0.0.0.0:9090"
     assert bridge["image"] == "kvroute:0.1.0-bridge"
-    assert bridge["readinessProbe"]["httpGet"] == {"path": "/health", "port": "bridge-http"}
+    assert bridge["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "bridge-http"}
+    assert bridge["livenessProbe"]["httpGet"] == {"path": "/health", "port": "bridge-http"}
     assert bridge["securityContext"]["runAsNonRoot"] is True
 
     # The worker pod, once running and ready, is what discovery turns into a worker:

@@ -91,6 +91,7 @@ class KubeApiStandIn:
         self.compacted_rv = 0  # watches from an older resourceVersion get 410
         self.requests: list[dict[str, str]] = []
         self.fail_lists = 0  # answer this many list requests with HTTP 500
+        self.gone_as_http_status = False  # 410 as the HTTP status instead of an ERROR event
         self._watches: list[_Watch] = []
         self._runner: web.AppRunner | None = None
         self.url = ""
@@ -220,23 +221,27 @@ class KubeApiStandIn:
             {"kind": "PodList", "apiVersion": "v1", "metadata": meta, "items": page}
         )
 
+    def _gone(self, since: int) -> dict[str, Any]:
+        return {
+            "kind": "Status",
+            "apiVersion": "v1",
+            "status": "Failure",
+            "message": f"too old resource version: {since} ({self.compacted_rv})",
+            "reason": "Expired",
+            "code": 410,
+        }
+
     async def _watch(
         self, request: web.Request, q: dict[str, str], selector: str
     ) -> web.StreamResponse:
+        since = int(q.get("resourceVersion") or self.rv)
+        if since < self.compacted_rv and self.gone_as_http_status:
+            return web.json_response(self._gone(since), status=410)
         response = web.StreamResponse(headers={"Content-Type": "application/json"})
         response.enable_chunked_encoding()
         await response.prepare(request)
-        since = int(q.get("resourceVersion") or self.rv)
         if since < self.compacted_rv:
-            status = {
-                "kind": "Status",
-                "apiVersion": "v1",
-                "status": "Failure",
-                "message": f"too old resource version: {since} ({self.compacted_rv})",
-                "reason": "Expired",
-                "code": 410,
-            }
-            await response.write(self._line("ERROR", status))
+            await response.write(self._line("ERROR", self._gone(since)))
             await response.write_eof()
             return response
         w = _Watch(response, selector, q.get("allowWatchBookmarks") in ("true", "1"))

@@ -195,8 +195,10 @@ async def test_server_side_timeout_ends_the_stream_and_the_watch_resumes() -> No
             await until(lambda: "ml/b" in reg.active)
 
 
-async def test_410_gone_relists_and_reconciles_what_was_missed() -> None:
+@pytest.mark.parametrize("as_http_status", [False, True], ids=["error-event", "http-410"])
+async def test_410_gone_relists_and_reconciles_what_was_missed(as_http_status: bool) -> None:
     async with KubeApiStandIn() as api:
+        api.gone_as_http_status = as_http_status
         api.apply(make_pod("a", "10.0.0.1"))
         api.apply(make_pod("b", "10.0.0.2"))
         async with running(api) as (source, reg):
@@ -306,3 +308,19 @@ def test_pod_defaults_are_used_when_the_pod_says_nothing() -> None:
 
     spec = worker_from_pod(make_pod("x", "10.1.1.1"), PodDefaults(engine_port=9, bridge_port=None))
     assert spec is not None and spec.url == "http://10.1.1.1:9" and spec.bridge is None
+
+
+async def test_unreachable_api_server_is_retried_without_crashing() -> None:
+    async with KubeApiStandIn() as api:
+        url = api.url
+    # The stand-in is gone: connections to its port are refused.
+    reg = Registry()
+    client = KubePodClient(kclient.ApiClient(kclient.Configuration(host=url)), "ml", "x=y")
+    source = KubernetesSource(reg, client, backoff_initial=0.01, backoff_max=0.05)
+    task = asyncio.create_task(source.run())
+    await until(lambda: source.stats.errors >= 3)
+    assert not task.done() and not source.synced.is_set() and reg.calls == []
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    await source.close_client()

@@ -379,6 +379,10 @@ _MAX_UNKNOWN_NAMES: Final = 32
 _MAX_ANALYSED: Final = 16
 
 
+# msgspec reports invalid UTF-8 in strings and keys as UnicodeDecodeError.
+_DECODE_ERRORS: Final = (msgspec.MsgspecError, UnicodeDecodeError)
+
+
 class MalformedPayload(ValueError):
     """The payload is not a KVEventBatch of any known wire version."""
 
@@ -406,7 +410,7 @@ class BatchDecoder:
         try:
             result: DecodedBatch = strict.decode(payload)
             return result
-        except msgspec.MsgspecError:
+        except _DECODE_ERRORS:
             pass
         return self._decode_slow(payload, lenient)
 
@@ -414,25 +418,25 @@ class BatchDecoder:
         # Same layout with unknown fields (a newer producer) is the common reason to be here.
         try:
             result: DecodedBatch = last_lenient.decode(payload)
-        except msgspec.MsgspecError:
+        except _DECODE_ERRORS:
             pass
         else:
             self._note_unknown(payload)
             return result
-        error: msgspec.MsgspecError | None = None
+        error: Exception | None = None
         for index, (strict, lenient) in enumerate(self._decoders):
             if index == self._last:
                 continue
             try:
                 result = strict.decode(payload)
-            except msgspec.MsgspecError:
+            except _DECODE_ERRORS:
                 pass
             else:
                 self._last = index
                 return result
             try:
                 result = lenient.decode(payload)
-            except msgspec.MsgspecError as exc:
+            except _DECODE_ERRORS as exc:
                 error = error or exc
             else:
                 self._last = index
@@ -441,7 +445,7 @@ class BatchDecoder:
         try:
             # The first layout's error is the most telling for a modern producer.
             self._decoders[0][1].decode(payload)
-        except msgspec.MsgspecError as exc:
+        except _DECODE_ERRORS as exc:
             error = exc
         raise MalformedPayload(f"not a KVEventBatch of any known wire version: {error}")
 
@@ -450,7 +454,11 @@ class BatchDecoder:
         if self._analysed >= _MAX_ANALYSED:
             return
         self._analysed += 1
-        for name in _unknown_field_names(msgspec.msgpack.decode(payload)):
+        try:
+            raw = msgspec.msgpack.decode(payload)
+        except _DECODE_ERRORS:
+            return
+        for name in _unknown_field_names(raw):
             if len(self.unknown_field_names) >= _MAX_UNKNOWN_NAMES:
                 break
             self.unknown_field_names.add(name)

@@ -129,6 +129,8 @@ class Namespace:
 
     lora_name: str = ""
     cache_salt: str = ""
+    # vLLM hashes the adapter's path too but never publishes it; empty means a default path.
+    lora_path: str = ""
 
 
 @dataclass(frozen=True)
@@ -241,6 +243,7 @@ class VllmCacheBackend:
         *,
         max_tokens: int = 1,
         report_mode: str | None = None,
+        prompt_logprobs: int | None = None,
         request_id: str | None = None,
     ) -> Request:
         """A fresh vLLM Request (hashes computed) for these tokens under this namespace."""
@@ -252,20 +255,31 @@ class VllmCacheBackend:
         lora = None
         if ns.lora_name:
             lora_id = self._lora_ids.setdefault(ns.lora_name, len(self._lora_ids) + 1)
-            lora = LoRARequest(ns.lora_name, lora_id, f"/adapters/{ns.lora_name}")
+            lora = LoRARequest(ns.lora_name, lora_id, ns.lora_path or f"/adapters/{ns.lora_name}")
+        params = SamplingParams(
+            max_tokens=max_tokens, extra_args=extra_args, prompt_logprobs=prompt_logprobs
+        )
         return Request(
             request_id,
             list(tokens),
-            SamplingParams(max_tokens=max_tokens, extra_args=extra_args),
+            params,
             None,
             lora_request=lora,
             cache_salt=ns.cache_salt or None,
             block_hasher=self._hasher,
         )
 
-    def lookup(self, tokens: Sequence[int], namespace: Namespace | None = None) -> Lookup:
+    def lookup(
+        self,
+        tokens: Sequence[int],
+        namespace: Namespace | None = None,
+        *,
+        prompt_logprobs: int | None = None,
+    ) -> Lookup:
         """vLLM's own hit for a prompt, without allocating anything (reference §9.3)."""
-        request = self.make_request(tokens, namespace, request_id="probe")
+        request = self.make_request(
+            tokens, namespace, prompt_logprobs=prompt_logprobs, request_id="probe"
+        )
         _, hit, boundary = self.manager.get_computed_blocks(request)
         coordinator = self.manager.coordinator
         if isinstance(coordinator, HybridKVCacheCoordinator):

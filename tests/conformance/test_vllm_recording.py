@@ -32,7 +32,9 @@ SCENARIOS = [
     "equal64",
     "bytes_cbor_dp1_r32",
     "limit_nonprefix_lcm",
-    "limit_prefix_match_unit",
+    "limit_pmu16_fa64",
+    "limit_lora_path",
+    "limit_prompt_logprobs",
     "limit_report_mode_full",
 ]
 END_SEQ = b"\xff" * 8

@@ -197,9 +197,10 @@ class Recorder:
         namespace: Namespace | None = None,
         label: str = "",
         expect: int | None = None,
+        prompt_logprobs: int | None = None,
     ) -> int:
         ns = namespace or Namespace()
-        answer = self.backend.lookup(tokens, ns)
+        answer = self.backend.lookup(tokens, ns, prompt_logprobs=prompt_logprobs)
         self.probes.append(
             {
                 "after": self.capture.published,
@@ -210,6 +211,7 @@ class Recorder:
                 "per_group": list(answer.per_group),
                 "label": label,
                 "expect": expect,
+                "prompt_logprobs": prompt_logprobs is not None,
             }
         )
         return answer.hit
@@ -368,14 +370,30 @@ def limit_nonprefix_lcm(rec: Recorder) -> None:
     rec.probe(a, label="limit: events show block 16 only, vLLM aligns to 64", expect=64)
     rec.probe(a[:90], label="limit: 90-token prefix", expect=64)
     rec.probe(a[:60] + rec.tokens(10), label="limit: shares 60", expect=0)
+    longer = rec.run(a + rec.tokens(100), outputs=1)
+    rec.probe(longer[:150], label="limit: 150 of a cached 192", expect=128)
+    rec.probe(longer[:180] + rec.tokens(9), label="limit: shares 180", expect=128)
 
 
-def limit_prefix_match_unit(rec: Recorder) -> None:
-    """prefix_match_unit=16 on 64-token groups: vLLM hits at 16-token granularity."""
-    a = rec.tokens(150)
+def limit_lora_path(rec: Recorder) -> None:
+    """vLLM hashes a LoRA adapter's path, which events never carry: re-pointing a name."""
+    a = rec.tokens(100)
+    rec.run(a, namespace=Namespace(lora_name="sql", lora_path="/adapters/sql-v1"))
+    rec.probe(a, Namespace(lora_name="sql", lora_path="/adapters/sql-v1"), label="same path")
+    rec.probe(
+        a,
+        Namespace(lora_name="sql", lora_path="/adapters/sql-v2"),
+        label="limit: same adapter name, new path",
+        expect=0,
+    )
+
+
+def limit_prompt_logprobs(rec: Recorder) -> None:
+    """A request asking for prompt logprobs skips reading the prefix cache altogether."""
+    a = rec.tokens(100)
     rec.run(a)
-    rec.probe(a, label="limit: prefix_match_unit gives a 16-aligned hit")
-    rec.probe(a[:100] + rec.tokens(30), label="limit: shares 100")
+    rec.probe(a, label="plain request", expect=96)
+    rec.probe(a, label="limit: prompt_logprobs request", expect=0, prompt_logprobs=1)
 
 
 def limit_report_mode_full(rec: Recorder) -> None:
@@ -536,11 +554,32 @@ def scenarios() -> list[Scenario]:
             limit="nonprefix_lcm",
         ),
         Scenario(
-            "limit_prefix_match_unit",
-            "FA64 + Mamba64 with prefix_match_unit=16",
-            BackendConfig((G(FA, 64), G(MB, 64)), num_blocks=32, prefix_match_unit=16),
-            script=limit_prefix_match_unit,
-            limit="prefix_match_unit",
+            "limit_pmu16_fa64",
+            "FA64 + Mamba64 with prefix_match_unit=16: sub-block entries whose parent is a "
+            "hash-unit boundary no group publishes",
+            BackendConfig(
+                (G(FA, 64), G(MB, 64)),
+                num_blocks=48,
+                prefix_match_unit=16,
+                max_num_scheduled_tokens=256,
+            ),
+            Workload(requests=30, user_len=(1, 200)),
+            seed=12,
+            limit="unplaceable_partial_entries",
+        ),
+        Scenario(
+            "limit_lora_path",
+            "a LoRA adapter name re-pointed at a new path",
+            BackendConfig((G(FA, 16),), num_blocks=32),
+            script=limit_lora_path,
+            limit="lora_path",
+        ),
+        Scenario(
+            "limit_prompt_logprobs",
+            "requests with prompt logprobs do not read the prefix cache",
+            BackendConfig(HYBRID, num_blocks=32),
+            script=limit_prompt_logprobs,
+            limit="prompt_logprobs",
         ),
         Scenario(
             "limit_report_mode_full",

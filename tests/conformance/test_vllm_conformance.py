@@ -19,6 +19,7 @@ from test_vllm_recording import SCENARIOS
 
 from bridge.convert import ConvertStats, convert_batch
 from bridge.vllm_schema import BatchDecoder
+from indexer import GroupCache, Namespace, WorkerScore
 from proto.events_pb2 import KvEventBatch, KvGroupEvent
 
 pytestmark = pytest.mark.vllm
@@ -154,3 +155,67 @@ def test_known_limits_are_real(scenarios_by_name: dict[str, dict[str, Any]], nam
     if alignment is not None:
         fixed = _oracle_answers(sc, alignment)
         assert [joint for joint, _ in fixed] == [p["hit"] for p in sc["probes"]]
+
+
+def _indexer_answers(sc: dict[str, Any], alignment: int | None = None) -> list[WorkerScore]:
+    """kvroute's GroupCache fed the converted frames, asked every probe at its point."""
+    cache = GroupCache(hash_unit=16)
+    if alignment is not None:
+        cache.set_alignment(alignment)
+    batches = list(converted(sc))
+    applied = 0
+    answers = []
+    for probe in sc["probes"]:
+        while applied < probe["after"]:
+            cache.apply(batches[applied])
+            applied += 1
+        answers.append(cache.explain(probe["tokens"], Namespace(*_namespace(probe))))
+    return answers
+
+
+def _per_group(score: WorkerScore) -> dict[int, int | None]:
+    return {g.group_id: g.accepted_tokens for g in score.groups}
+
+
+@pytest.mark.parametrize("name", PLAIN)
+def test_indexer_matches_vllm(scenarios_by_name: dict[str, dict[str, Any]], name: str) -> None:
+    """`indexer.GroupCache.reusable_tokens` equals vLLM's native hit on every probe.
+
+    Before the first batch there is no evidence, which the index reports as None.
+    """
+    sc = scenarios_by_name[name]
+    answers = _indexer_answers(sc)
+    oracle = _oracle_answers(sc)
+    wrong = []
+    for probe, score, (joint, _) in zip(sc["probes"], answers, oracle, strict=True):
+        expected = probe["hit"] if probe["after"] else None
+        if score.reusable_tokens != expected:
+            detail = _describe(probe, score.reusable_tokens, _per_group(score))
+            wrong.append(f"{detail}; event oracle {joint} (alignment {score.alignment})")
+    agree = len(answers) - len(wrong)
+    print(f"{name}: indexer agrees with vLLM on {agree} of {len(answers)} probes")
+    assert not wrong, f"{len(wrong)} of {len(answers)} probes differ:\n" + "\n".join(wrong[:10])
+
+
+@pytest.mark.parametrize("name", sorted(LIMITS))
+def test_indexer_on_known_limits(scenarios_by_name: dict[str, dict[str, Any]], name: str) -> None:
+    """Where events cannot carry what vLLM knows, the index departs only in the documented
+    direction, and a configured alignment removes the departure where one can."""
+    sc = scenarios_by_name[name]
+    direction, alignment = LIMITS[name]
+    pairs = [
+        (p["hit"], score.reusable_tokens)
+        for p, score in zip(sc["probes"], _indexer_answers(sc), strict=True)
+        if p["after"]
+    ]
+    assert all(predicted is not None for _, predicted in pairs)
+    over = [(n, p) for n, p in pairs if p is not None and p > n]
+    under = [(n, p) for n, p in pairs if p is not None and p < n]
+    print(f"{name}: indexer over vLLM on {len(over)}, under on {len(under)} of {len(pairs)}")
+    if direction == "under":
+        assert under and not over, (over, under)
+    else:
+        assert over and not under, (over, under)
+    if alignment is not None:
+        fixed = _indexer_answers(sc, alignment)
+        assert [s.reusable_tokens for s in fixed] == [p["hit"] for p in sc["probes"]]

@@ -30,6 +30,8 @@ PLAIN = [name for name in SCENARIOS if not name.startswith("limit_")]
 LIMITS: dict[str, tuple[str, int | None]] = {
     "limit_nonprefix_lcm": ("over", 64),
     "limit_pmu16_fa64": ("under", None),
+    "limit_swa_only_r0": ("under", None),
+    "limit_mamba_only": ("under", None),
     "limit_lora_path": ("over", None),
     "limit_prompt_logprobs": ("over", None),
     "limit_report_mode_full": ("over", None),

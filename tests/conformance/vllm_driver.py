@@ -545,6 +545,45 @@ def scenarios() -> list[Scenario]:
             dp_rank=1,
             int_hashes=False,
         ),
+        Scenario(
+            "preempt_hybrid16",
+            "FA16 + SWA32 + Mamba16, many concurrent requests in a small pool: preemption",
+            BackendConfig(HYBRID, num_blocks=56),
+            Workload(
+                requests=45,
+                concurrency=6,
+                prefixes=2,
+                prefix_len=(64, 200),
+                user_len=(1, 40),
+                output_len=(8, 60),
+                probe_every=10,
+            ),
+            seed=13,
+        ),
+        Scenario(
+            "long_hybrid_w512",
+            "FA16 + SWA512 + Mamba16, long prompts and chunked prefill",
+            BackendConfig(
+                (G(FA, 16), G(SW, 16, 512), G(MB, 16)),
+                num_blocks=400,
+                max_num_scheduled_tokens=512,
+            ),
+            Workload(
+                requests=25,
+                prefix_len=(200, 900),
+                user_len=(1, 600),
+                max_history=2500,
+                namespaces=NS_MIX,
+            ),
+            seed=14,
+        ),
+        Scenario(
+            "swa_only_dense",
+            "a single sliding-window group (window 64), dense retention",
+            BackendConfig((G(SW, 16, 64),), num_blocks=64, retention=None),
+            Workload(requests=40),
+            seed=15,
+        ),
         # Known limits of event-based prediction.
         Scenario(
             "limit_nonprefix_lcm",
@@ -566,6 +605,22 @@ def scenarios() -> list[Scenario]:
             Workload(requests=30, user_len=(1, 200)),
             seed=12,
             limit="unplaceable_partial_entries",
+        ),
+        Scenario(
+            "limit_swa_only_r0",
+            "a single sliding-window group under default retention: only sparse stores",
+            BackendConfig((G(SW, 16, 64),), num_blocks=64),
+            Workload(requests=30),
+            seed=16,
+            limit="no_dense_group",
+        ),
+        Scenario(
+            "limit_mamba_only",
+            "a single Mamba group: only sparse stores",
+            BackendConfig((G(MB, 16),), num_blocks=64),
+            Workload(requests=30),
+            seed=17,
+            limit="no_dense_group",
         ),
         Scenario(
             "limit_lora_path",

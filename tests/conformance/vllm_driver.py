@@ -46,7 +46,9 @@ from sim.vllm_backend import (  # noqa: E402
     BackendConfig,
     GroupConfig,
     Namespace,
+    SchedulerLoop,
     VllmCacheBackend,
+    describe,
 )
 
 FA, SW, MB, CB = "full_attention", "sliding_window", "mamba", "circular_buffer"
@@ -186,7 +188,7 @@ class Recorder:
     """Runs one scenario: backend + wire capture + probes."""
 
     scenario: Scenario
-    backend: VllmCacheBackend
+    loop: SchedulerLoop
     capture: WireCapture
     rng: random.Random
     probes: list[dict[str, Any]] = field(default_factory=list)
@@ -200,7 +202,7 @@ class Recorder:
         prompt_logprobs: int | None = None,
     ) -> int:
         ns = namespace or Namespace()
-        answer = self.backend.lookup(tokens, ns, prompt_logprobs=prompt_logprobs)
+        answer = self.loop.backend.native_hit(tokens, ns, prompt_logprobs=prompt_logprobs)
         self.probes.append(
             {
                 "after": self.capture.published,
@@ -228,12 +230,12 @@ class Recorder:
     ) -> list[int]:
         """Run one request to completion; returns prompt + generated tokens."""
         out = self.tokens(outputs)
-        self.backend.run_request(tokens, out, namespace, report_mode=report_mode)
+        self.loop.run_request(tokens, out, namespace, report_mode=report_mode)
         return list(tokens) + out
 
 
 def run_workload(rec: Recorder, w: Workload) -> None:
-    rng, backend = rec.rng, rec.backend
+    rng, loop = rec.rng, rec.loop
     prefixes = [rec.tokens(rng.randint(*w.prefix_len)) for _ in range(w.prefixes)]
     finished: list[tuple[Namespace, list[int], list[int]]] = []  # (ns, prompt, full history)
     in_flight: list[tuple[Namespace, list[int]]] = []
@@ -280,11 +282,11 @@ def run_workload(rec: Recorder, w: Workload) -> None:
                 rec.probe(tokens, ns, label)
 
     draining = False  # stop admitting until idle, then reset the prefix cache
-    while submitted < w.requests or not backend.idle:
+    while submitted < w.requests or not loop.idle:
         active = len(in_flight)
-        if draining and backend.idle:
+        if draining and loop.idle:
             draining = False
-            backend.reset_prefix_cache()
+            loop.reset_prefix_cache()
             probe_point()
         while (
             not draining
@@ -307,12 +309,12 @@ def run_workload(rec: Recorder, w: Workload) -> None:
                 history = list(request.prompt_token_ids) + list(request.output_token_ids)
                 finished.append((ns, prompt, history))
 
-            backend.submit(prompt, outputs, ns, on_finish=done)
+            loop.submit(prompt, outputs, ns, on_finish=done)
             submitted += 1
             active += 1
-        if backend.idle:
+        if loop.idle:
             continue
-        if not backend.step():
+        if not loop.step():
             raise RuntimeError(f"{rec.scenario.name}: the workload does not fit the pool")
         steps += 1
         if steps % w.probe_every == 0:
@@ -358,7 +360,7 @@ def example_c(rec: Recorder) -> None:
 def example_d(rec: Recorder) -> None:
     a = rec.tokens(100)
     history = rec.run(a, outputs=40)
-    dense = rec.scenario.config.retention is None
+    dense = rec.scenario.config.retention_interval is None
     rec.probe(history, label="D: 140-token continuation", expect=128 if dense else 96)
     rec.probe(history + rec.tokens(20), label="D: next turn")
 
@@ -454,7 +456,7 @@ def scenarios() -> list[Scenario]:
         Scenario(
             "example_D_dense",
             "§7.6 D: decode, dense retention",
-            BackendConfig(HYBRID, num_blocks=64, retention=None),
+            BackendConfig(HYBRID, num_blocks=64, retention_interval=None),
             script=example_d,
         ),
         # Random workloads.
@@ -476,14 +478,16 @@ def scenarios() -> list[Scenario]:
         Scenario(
             "hybrid16_dense",
             "FA16 + SWA32 + Mamba16, dense retention",
-            BackendConfig(HYBRID, num_blocks=80, retention=None),
+            BackendConfig(HYBRID, num_blocks=80, retention_interval=None),
             Workload(requests=40, namespaces=NS_MIX),
             seed=3,
         ),
         Scenario(
             "hybrid16_r64_w48",
             "FA16 + SWA48 + Mamba16, retention 64",
-            BackendConfig((G(FA, 16), G(SW, 16, 48), G(MB, 16)), num_blocks=80, retention=64),
+            BackendConfig(
+                (G(FA, 16), G(SW, 16, 48), G(MB, 16)), num_blocks=80, retention_interval=64
+            ),
             Workload(requests=40, reset_probability=0.1),
             seed=4,
             transport="inproc",
@@ -498,7 +502,7 @@ def scenarios() -> list[Scenario]:
         Scenario(
             "mamba64_partial_dense",
             "FA16 + Mamba64 dense retention (simple hybrid)",
-            BackendConfig((G(FA, 16), G(MB, 64)), num_blocks=64, retention=None),
+            BackendConfig((G(FA, 16), G(MB, 64)), num_blocks=64, retention_interval=None),
             Workload(requests=35),
             seed=6,
         ),
@@ -537,7 +541,7 @@ def scenarios() -> list[Scenario]:
         Scenario(
             "bytes_cbor_dp1_r32",
             "bytes hashes, sha256_cbor, DP rank 1, retention 32",
-            BackendConfig(HYBRID, num_blocks=80, retention=32, hash_algo="sha256_cbor"),
+            BackendConfig(HYBRID, num_blocks=80, retention_interval=32, hash_algo="sha256_cbor"),
             Workload(requests=35, namespaces=NS_MIX),
             seed=11,
             transport="inproc",
@@ -580,7 +584,7 @@ def scenarios() -> list[Scenario]:
         Scenario(
             "swa_only_dense",
             "a single sliding-window group (window 64), dense retention",
-            BackendConfig((G(SW, 16, 64),), num_blocks=64, retention=None),
+            BackendConfig((G(SW, 16, 64),), num_blocks=64, retention_interval=None),
             Workload(requests=40),
             seed=15,
         ),
@@ -670,12 +674,13 @@ def run_scenario(sc: Scenario) -> dict[str, Any]:
     tick = iter(range(1 << 40))
     try:
         with _int_hash_mode(sc.int_hashes):
-            backend = VllmCacheBackend(
-                sc.config,
+            backend = VllmCacheBackend(sc.config)
+            loop = SchedulerLoop(
+                backend,
                 clock=lambda: 1_700_000_000.0 + next(tick) / 1000,
                 publish=capture.publish,
             )
-            rec = Recorder(sc, backend, capture, random.Random(sc.seed))
+            rec = Recorder(sc, loop, capture, random.Random(sc.seed))
             if sc.script is not None:
                 sc.script(rec)
             if sc.workload is not None:
@@ -685,17 +690,17 @@ def run_scenario(sc: Scenario) -> dict[str, Any]:
         replay = capture.replay(start_seq) if capture.published else []
     finally:
         capture.close()
-    stats = backend.stats
+    stats = loop.stats
     return {
         "name": sc.name,
         "about": sc.about,
-        "config": sc.config.to_dict(),
+        "config": describe(sc.config),
         "transport": sc.transport,
         "topic": sc.topic,
         "dp_rank": sc.dp_rank,
         "int_hashes": sc.int_hashes,
         "alignment": backend.alignment,
-        "partial_hash_hits": backend.partial_hash_hits,
+        "partial_hash_hits": backend.partial_hits,
         "limit": sc.limit,
         "frames": capture.frames,
         "replay": {"start_seq": start_seq, "frames": replay},

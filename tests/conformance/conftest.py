@@ -1,85 +1,16 @@
-"""The vLLM recording shared by the conformance tests.
-
-`tests/conformance/vllm_driver.py` runs in the vLLM environment (KVROUTE_VLLM_PYTHON, default
-.venv-vllm/bin/python) and records, per scenario, vLLM's published frames and its native hits
-for probe prompts. The recording is cached under .cache/conformance/, keyed by the driver's
-and backend's source and the vLLM version, so only the first run pays for it.
-
-Without the vLLM environment these tests skip, unless KVROUTE_REQUIRE_VLLM is set (as
-`make test` does), in which case they fail.
-"""
+"""Fixtures of the conformance tests: vLLM's recording (see vllm_recording.py)."""
 
 from __future__ import annotations
 
-import hashlib
-import os
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
-import msgspec
 import pytest
-
-REPO = Path(__file__).resolve().parents[2]
-DRIVER = REPO / "tests" / "conformance" / "vllm_driver.py"
-BACKEND = REPO / "sim" / "vllm_backend.py"
-CACHE_DIR = REPO / ".cache" / "conformance"
-
-
-def _vllm_python() -> Path:
-    configured = os.environ.get("KVROUTE_VLLM_PYTHON")
-    return Path(configured) if configured else REPO / ".venv-vllm" / "bin" / "python"
-
-
-def _unavailable(reason: str) -> None:
-    if os.environ.get("KVROUTE_REQUIRE_VLLM"):
-        pytest.fail(f"KVROUTE_REQUIRE_VLLM is set but {reason}", pytrace=False)
-    pytest.skip(f"{reason} (run `make vllm-env`; KVROUTE_REQUIRE_VLLM=1 makes this an error)")
-
-
-def _vllm_version(python: Path) -> str:
-    probe = subprocess.run(
-        [str(python), "-c", "import importlib.metadata as m; print(m.version('vllm'))"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    if probe.returncode != 0:
-        _unavailable(f"vLLM is not installed for {python}: {probe.stderr.strip()[-500:]}")
-    return probe.stdout.strip()
-
-
-def recording_path(version: str) -> Path:
-    digest = hashlib.sha256(version.encode())
-    for source in (DRIVER, BACKEND):
-        digest.update(source.read_bytes())
-    return CACHE_DIR / f"vllm-{version}-{digest.hexdigest()[:16]}.msgpack"
+from vllm_recording import load_recording
 
 
 @pytest.fixture(scope="session")
 def vllm_recording() -> dict[str, Any]:
-    """The decoded recording: {"vllm_version", "scenarios": [...]} (see vllm_driver.py)."""
-    python = _vllm_python()
-    if not python.exists():
-        _unavailable(f"the vLLM python {python} does not exist")
-    path = recording_path(_vllm_version(python))
-    if not path.exists():
-        run = subprocess.run(
-            [str(python), str(DRIVER), "--out", str(path)],
-            capture_output=True,
-            text=True,
-            timeout=900,
-            cwd=REPO,
-        )
-        if run.returncode != 0 or not path.exists():
-            pytest.fail(
-                f"the vLLM driver failed ({run.returncode}):\n{run.stderr[-4000:]}",
-                pytrace=False,
-            )
-        sys.stderr.write(run.stderr[-3000:])
-    data: dict[str, Any] = msgspec.msgpack.decode(path.read_bytes())
-    return data
+    return load_recording()
 
 
 @pytest.fixture(scope="session")

@@ -9,18 +9,16 @@ event-based prediction".
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
 from typing import Any
 
 import msgspec
 import pytest
 from event_oracle import EventOracle
-from test_vllm_recording import SCENARIOS
+from vllm_recording import SCENARIOS, converted
 
-from bridge.convert import ConvertStats, convert_batch
-from bridge.vllm_schema import BatchDecoder
+from bridge.convert import ConvertStats
 from indexer import GroupCache, Namespace, WorkerScore
-from proto.events_pb2 import KvEventBatch, KvGroupEvent
+from proto.events_pb2 import KvGroupEvent
 
 pytestmark = pytest.mark.vllm
 
@@ -37,14 +35,6 @@ LIMITS: dict[str, tuple[str, int | None]] = {
     "limit_report_mode_full": ("over", None),
 }
 MASK64 = (1 << 64) - 1
-
-
-def converted(sc: dict[str, Any], stats: ConvertStats | None = None) -> Iterator[KvEventBatch]:
-    """The scenario's live frames through the bridge's decoder and converter, in order."""
-    decoder = BatchDecoder()
-    for _topic, seq_frame, payload in sc["frames"]:
-        yield convert_batch(decoder.decode(payload), int.from_bytes(seq_frame, "big"), stats=stats)
-    assert decoder.unknown_field_batches == 0, decoder.unknown_field_names
 
 
 def _wire_hash(value: int | bytes) -> bytes:

@@ -11,37 +11,10 @@ from typing import Any
 
 import msgspec
 import pytest
+from vllm_recording import SCENARIOS
 
 pytestmark = pytest.mark.vllm
 
-SCENARIOS = [
-    "example_A",
-    "example_B",
-    "example_C",
-    "example_D_r0",
-    "example_D_dense",
-    "dense_fa16",
-    "hybrid16_r0",
-    "hybrid16_dense",
-    "hybrid16_r64_w48",
-    "mamba64_partial_r0",
-    "mamba64_partial_dense",
-    "mixed32_mamba64",
-    "two_windows_r0",
-    "swa32blk_mixed",
-    "equal64",
-    "bytes_cbor_dp1_r32",
-    "preempt_hybrid16",
-    "long_hybrid_w512",
-    "swa_only_dense",
-    "limit_nonprefix_lcm",
-    "limit_pmu16_fa64",
-    "limit_swa_only_r0",
-    "limit_mamba_only",
-    "limit_lora_path",
-    "limit_prompt_logprobs",
-    "limit_report_mode_full",
-]
 END_SEQ = b"\xff" * 8
 STORED_KEYS = {"block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium"}
 

@@ -147,6 +147,48 @@ class WireCapture:
         self.sub.close(linger=0)
 
 
+class ServedPublisher:
+    """vLLM's ZmqEventPublisher bound on ipc endpoints for a bridge in another process.
+
+    Protocol on stdin/stdout (one line each): after `pause_at` batches it prints
+    `PAUSED <name> <count> <endpoint> <replay endpoint>` and waits for `GO`; at the end of
+    the scenario it prints `DONE <name> <count>` and waits for `NEXT` before shutting down.
+    """
+
+    def __init__(self, name: str, directory: Path, topic: str, pause_at: int) -> None:
+        self.name = name
+        self.endpoint = f"ipc://{directory}/{name}.pub"
+        self.replay_endpoint = f"ipc://{directory}/{name}.replay"
+        self.publisher = ZmqEventPublisher(
+            data_parallel_rank=0,
+            endpoint=self.endpoint,
+            replay_endpoint=self.replay_endpoint,
+            topic=topic,
+        )
+        self.pause_at = pause_at
+        self.published = 0
+
+    def publish(self, batch: KVEventBatch) -> None:
+        self.publisher.publish(batch)
+        self.published += 1
+        if self.published == self.pause_at:
+            self._handshake(
+                f"PAUSED {self.name} {self.published} {self.endpoint} {self.replay_endpoint}",
+                "GO",
+            )
+
+    def finish(self) -> None:
+        self._handshake(f"DONE {self.name} {self.published}", "NEXT")
+        self.publisher.shutdown()
+
+    @staticmethod
+    def _handshake(announce: str, expect: str) -> None:
+        print(announce, flush=True)
+        answer = sys.stdin.readline().strip()
+        if answer != expect:
+            raise SystemExit(f"expected {expect!r} on stdin, got {answer!r}")
+
+
 # ---- scenarios --------------------------------------------------------------------------------
 
 
@@ -185,11 +227,11 @@ class Scenario:
 
 @dataclass
 class Recorder:
-    """Runs one scenario: backend + wire capture + probes."""
+    """Runs one scenario: backend + publisher (with capture) + probes."""
 
     scenario: Scenario
     loop: SchedulerLoop
-    capture: WireCapture
+    capture: WireCapture | ServedPublisher
     rng: random.Random
     probes: list[dict[str, Any]] = field(default_factory=list)
 
@@ -668,23 +710,45 @@ def _int_hash_mode(enabled: bool) -> Iterator[None]:
             os.environ[key] = old
 
 
+def _drive(sc: Scenario, sink: WireCapture | ServedPublisher) -> tuple[Recorder, Any]:
+    """Run the scenario's script or workload, publishing every batch to `sink`.
+
+    Deterministic: the same scenario publishes the same payloads (seeded tokens, fixed hash
+    seed, a counting clock), which lets a served run be compared with the recording.
+    """
+    tick = iter(range(1 << 40))
+    with _int_hash_mode(sc.int_hashes):
+        backend = VllmCacheBackend(sc.config)
+        loop = SchedulerLoop(
+            backend,
+            clock=lambda: 1_700_000_000.0 + next(tick) / 1000,
+            publish=sink.publish,
+        )
+        rec = Recorder(sc, loop, sink, random.Random(sc.seed))
+        if sc.script is not None:
+            sc.script(rec)
+        if sc.workload is not None:
+            run_workload(rec, sc.workload)
+    return rec, backend
+
+
+def serve(names: list[str], directory: Path, pause_at: int) -> None:
+    """Publish the named scenarios, in the order given, for a bridge to follow."""
+    known = {sc.name: sc for sc in scenarios()}
+    for sc in (known[name] for name in names):
+        if sc.dp_rank:
+            raise SystemExit("served scenarios use DP rank 0 (ipc endpoints cannot offset)")
+        sink = ServedPublisher(sc.name, directory, sc.topic, pause_at)
+        _drive(sc, sink)
+        sink.finish()
+
+
 def run_scenario(sc: Scenario) -> dict[str, Any]:
     started = time.monotonic()
     capture = WireCapture(sc.name, sc.transport, sc.topic, sc.dp_rank)
-    tick = iter(range(1 << 40))
     try:
-        with _int_hash_mode(sc.int_hashes):
-            backend = VllmCacheBackend(sc.config)
-            loop = SchedulerLoop(
-                backend,
-                clock=lambda: 1_700_000_000.0 + next(tick) / 1000,
-                publish=capture.publish,
-            )
-            rec = Recorder(sc, loop, capture, random.Random(sc.seed))
-            if sc.script is not None:
-                sc.script(rec)
-            if sc.workload is not None:
-                run_workload(rec, sc.workload)
+        rec, backend = _drive(sc, capture)
+        loop = rec.loop
         capture.wait_all()
         start_seq = max(0, capture.published - 3)
         replay = capture.replay(start_seq) if capture.published else []
@@ -721,9 +785,18 @@ def run_scenario(sc: Scenario) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--out", type=Path, help="where to write the recording")
     parser.add_argument("--only", nargs="*", default=None, help="scenario names")
+    parser.add_argument(
+        "--serve", type=Path, metavar="DIR", help="publish on ipc endpoints in DIR instead"
+    )
+    parser.add_argument("--pause-at", type=int, default=12, help="(serve) batches before GO")
     args = parser.parse_args(argv)
+    if args.serve is not None:
+        serve(args.only or [], args.serve, args.pause_at)
+        return 0
+    if args.out is None:
+        parser.error("--out is required")
     chosen = [s for s in scenarios() if args.only is None or s.name in args.only]
     results = []
     for sc in chosen:

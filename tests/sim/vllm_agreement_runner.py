@@ -16,8 +16,9 @@ import json
 import random
 import sys
 from collections.abc import Callable
-from dataclasses import asdict
 from typing import Any
+
+import msgspec
 
 from sim.cache import SimCache
 from sim.cache.hashing import external
@@ -65,7 +66,7 @@ class PrefixNames:
 def normalize(events: list[KvEvent], names: PrefixNames) -> list[dict[str, Any]]:
     out = []
     for ev in events:
-        d = asdict(ev)
+        d = msgspec.structs.asdict(ev)
         d["type"] = type(ev).__name__
         if isinstance(ev, (BlockStored, BlockRemoved)):
             d["block_hashes"] = [names.name(h) for h in ev.block_hashes]

@@ -166,9 +166,12 @@ class ProxyState:
 
     async def choose_oracle(self, body: dict[str, Any]) -> tuple[int, list[int]]:
         n = len(self.engines)
-        tokenize = asyncio.create_task(self.token_ids(body))
-        hits = await asyncio.gather(*(self.probe(i, body) for i in range(n)))
-        ids = await tokenize
+        # Tokenize once, then probe every engine with the ids: no engine renders the prompt.
+        ids = await self.token_ids(body)
+        probe: dict[str, Any] = {"model": body.get("model"), "prompt": ids, "max_tokens": 1}
+        if body.get("cache_salt"):
+            probe["cache_salt"] = body["cache_salt"]
+        hits = await asyncio.gather(*(self.probe(i, probe) for i in range(n)))
         keys = block_keys(ids, str(body.get("cache_salt") or ""))
         cap = max(0, len(ids) - 1)
         scores = []

@@ -42,6 +42,7 @@ class EngineConfig:
     max_model_len: int = 8192
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    max_waiting: int = 4096  # bound on queued requests; more are refused (503)
     retention_interval: int | None = 0
     speed: float = 1.0
     seed: int = 0  # mixed into every request's generation seed
@@ -119,6 +120,10 @@ class EngineError(RuntimeError):
     """The engine cannot take or finish the request (restart, injected failure)."""
 
 
+class EngineOverloaded(EngineError):
+    """The waiting queue is at its bound (EngineConfig.max_waiting)."""
+
+
 class Engine:
     def __init__(
         self,
@@ -141,6 +146,7 @@ class Engine:
         self._unhung.set()
         self.slowdown = 1.0
         self.steps = 0
+        self.rejected = 0
         self.busy_seconds = 0.0
         self._task: asyncio.Task[None] | None = None
 
@@ -171,6 +177,11 @@ class Engine:
     def submit(self, req: GenerateRequest) -> RequestHandle:
         if req.request_id in self.handles:
             raise EngineError(f"request id {req.request_id!r} is already running")
+        if self.scheduler.num_waiting >= self.config.max_waiting:
+            self.rejected += 1
+            raise EngineOverloaded(
+                f"the engine already has {self.config.max_waiting} requests waiting; retry later"
+            )
         handle = RequestHandle(req, arrival=time.monotonic())
         lora = req.lora_name
         self.scheduler.add(

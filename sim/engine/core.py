@@ -14,11 +14,11 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from sim.cache import SimCache
-from sim.cache_api import CacheRequest, CacheSpec, GroupSpec
+from sim.cache_api import CacheBackend, CacheRequest, CacheSpec, GroupSpec
 from sim.engine.generation import OutputStream, word_token_ids
 from sim.engine.metrics import EngineMetrics
 from sim.engine.scheduler import Scheduler, StepPlan
@@ -130,8 +130,10 @@ class Engine:
         config: EngineConfig,
         tokenizer: SimTokenizer | None = None,
         publisher: EventPublisher | None = None,
+        cache_factory: Callable[[CacheSpec], CacheBackend] = SimCache,
     ) -> None:
         self.config = config
+        self._cache_factory = cache_factory
         self.tokenizer = tokenizer or SimTokenizer(config.model_dir)
         self.publisher = publisher
         self.metrics = EngineMetrics(config.model)
@@ -151,7 +153,7 @@ class Engine:
         self._task: asyncio.Task[None] | None = None
 
     def _new_core(self) -> None:
-        self.cache = SimCache(self.config.cache_spec())
+        self.cache: CacheBackend = self._cache_factory(self.config.cache_spec())
         self.scheduler = Scheduler(
             self.cache,
             max_num_seqs=self.config.max_num_seqs,

@@ -13,11 +13,12 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
+import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from sim.cache import SimCache
-from sim.cache_api import CacheRequest, CacheSpec, GroupSpec
+from sim.cache_api import CacheBackend, CacheRequest, CacheSpec, GroupSpec
 from sim.engine.generation import OutputStream, word_token_ids
 from sim.engine.metrics import EngineMetrics
 from sim.engine.scheduler import Scheduler, StepPlan
@@ -41,8 +42,10 @@ class EngineConfig:
     max_model_len: int = 8192
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    max_waiting: int = 4096  # bound on queued requests; more are refused (503)
     retention_interval: int | None = 0
     speed: float = 1.0
+    seed: int = 0  # mixed into every request's generation seed
     gpu: GpuModel = DEFAULT_GPU
     model_dir: str = str(MODEL_DIR)
 
@@ -117,14 +120,20 @@ class EngineError(RuntimeError):
     """The engine cannot take or finish the request (restart, injected failure)."""
 
 
+class EngineOverloaded(EngineError):
+    """The waiting queue is at its bound (EngineConfig.max_waiting)."""
+
+
 class Engine:
     def __init__(
         self,
         config: EngineConfig,
         tokenizer: SimTokenizer | None = None,
         publisher: EventPublisher | None = None,
+        cache_factory: Callable[[CacheSpec], CacheBackend] = SimCache,
     ) -> None:
         self.config = config
+        self._cache_factory = cache_factory
         self.tokenizer = tokenizer or SimTokenizer(config.model_dir)
         self.publisher = publisher
         self.metrics = EngineMetrics(config.model)
@@ -139,11 +148,12 @@ class Engine:
         self._unhung.set()
         self.slowdown = 1.0
         self.steps = 0
+        self.rejected = 0
         self.busy_seconds = 0.0
         self._task: asyncio.Task[None] | None = None
 
     def _new_core(self) -> None:
-        self.cache = SimCache(self.config.cache_spec())
+        self.cache: CacheBackend = self._cache_factory(self.config.cache_spec())
         self.scheduler = Scheduler(
             self.cache,
             max_num_seqs=self.config.max_num_seqs,
@@ -169,6 +179,11 @@ class Engine:
     def submit(self, req: GenerateRequest) -> RequestHandle:
         if req.request_id in self.handles:
             raise EngineError(f"request id {req.request_id!r} is already running")
+        if self.scheduler.num_waiting >= self.config.max_waiting:
+            self.rejected += 1
+            raise EngineOverloaded(
+                f"the engine already has {self.config.max_waiting} requests waiting; retry later"
+            )
         handle = RequestHandle(req, arrival=time.monotonic())
         lora = req.lora_name
         self.scheduler.add(
@@ -184,7 +199,12 @@ class Engine:
         )
         self.handles[req.request_id] = handle
         self._streams[req.request_id] = OutputStream(
-            req.prompt_ids, self._vocab, self.tokenizer.eos_token_id, req.seed, req.ignore_eos
+            req.prompt_ids,
+            self._vocab,
+            self.tokenizer.eos_token_id,
+            seed=req.seed,
+            ignore_eos=req.ignore_eos,
+            engine_seed=self.config.seed,
         )
         self._update_gauges()
         self._wake.set()
@@ -195,6 +215,26 @@ class Engine:
         if request_id in self.handles:
             self._aborts.append(request_id)
             self._wake.set()
+
+    def probe(
+        self, prompt_ids: Sequence[int], lora_name: str | None, cache_salt: str | None
+    ) -> tuple[int, list[int]]:
+        """(hit, per-group hits) this prompt would get if admitted now; no side effects."""
+        rid = f"probe-{uuid.uuid4().hex}"
+        self.cache.add_request(
+            CacheRequest(
+                rid,
+                tuple(prompt_ids),
+                lora_name=lora_name,
+                lora_id=self.config.lora_id(lora_name) if lora_name else None,
+                lora_path=f"/adapters/{lora_name}" if lora_name else None,
+                cache_salt=cache_salt,
+            )
+        )
+        try:
+            return self.cache.lookup(rid).hit_tokens, self.cache.per_group_hits(rid)
+        finally:
+            self.cache.free(rid)
 
     async def reset_prefix_cache(self) -> bool:
         """vLLM's reset_prefix_cache at the next step boundary (False if blocks are in use)."""

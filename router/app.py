@@ -34,7 +34,7 @@ from router.passthrough import Passthrough
 from router.policy import LoadModel, Policy, SessionPicker, make_policy
 from router.proxy import Proxy
 from router.routing import Routing, TokenizerLike
-from router.tokenize_standin import Tokenizers, TokenizerSpec
+from router.tokenize import Tokenizers, TokenizerSpec
 from router.upstream import Upstream
 from router.verify import Verifier
 from router.workers import StaticDiscovery, Worker, WorkerRegistry

@@ -18,11 +18,12 @@ import random
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 import grpc
 
-from proto import events_pb2, events_pb2_grpc
+from bridge.client import SUBSCRIBE_METHOD, ResumePoint
+from proto import events_pb2
 from router.config import EventsConfig
 from router.index_view import IndexView
 from router.metrics import RouterMetrics
@@ -49,17 +50,18 @@ class StreamStatus:
 
 
 class Transport(Protocol):
-    """Opens one subscription; yields the bridge's responses until the stream ends."""
+    """Opens one subscription; yields None once the stream is established (the bridge has
+    accepted it), then the bridge's responses until the stream ends."""
 
     def open(
         self, request: events_pb2.SubscribeRequest
-    ) -> AsyncIterator[events_pb2.SubscribeResponse]: ...
+    ) -> AsyncIterator[events_pb2.SubscribeResponse | None]: ...
 
     async def close(self) -> None: ...
 
 
 class GrpcTransport:
-    """The bridge's KvEvents.Subscribe over one gRPC channel."""
+    """The bridge's KvEvents.Subscribe over one gRPC channel (kept across reconnects)."""
 
     def __init__(self, target: str) -> None:
         self._channel = grpc.aio.insecure_channel(
@@ -70,13 +72,19 @@ class GrpcTransport:
                 ("grpc.keepalive_timeout_ms", 10_000),
             ],
         )
-        self._stub: Any = events_pb2_grpc.KvEventsStub(self._channel)  # type: ignore[no-untyped-call]
+        self._subscribe = self._channel.unary_stream(
+            SUBSCRIBE_METHOD,
+            request_serializer=events_pb2.SubscribeRequest.SerializeToString,
+            response_deserializer=events_pb2.SubscribeResponse.FromString,
+        )
 
     async def open(
         self, request: events_pb2.SubscribeRequest
-    ) -> AsyncIterator[events_pb2.SubscribeResponse]:
-        call = self._stub.Subscribe(request)
+    ) -> AsyncIterator[events_pb2.SubscribeResponse | None]:
+        call = self._subscribe(request)
         try:
+            await call.initial_metadata()  # headers: the bridge accepted the subscription
+            yield None
             async for message in call:
                 yield message
         finally:
@@ -86,14 +94,18 @@ class GrpcTransport:
         await self._channel.close(grace=None)
 
 
-TransportFactory = Callable[[Worker], Transport | None]
+TransportFactory = Callable[[Worker], "Transport | None"]
 
 
 def default_transport(worker: Worker) -> Transport | None:
     if worker.spec.bridge:
         return GrpcTransport(worker.spec.bridge)
     if worker.spec.zmq:
-        log.warning("worker %s: zmq subscriptions are not available yet", worker.name)
+        from router.zmq_source import ZmqTransport
+
+        return ZmqTransport(
+            worker.spec.zmq, worker.spec.replay, worker.spec.topic, worker.spec.dp_rank
+        )
     return None
 
 
@@ -114,10 +126,11 @@ class EventSubscriptions:
         self._factory = transport_factory
         self._clock = clock
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._sessions: dict[str, asyncio.Task[bool]] = {}
         self._status: dict[str, StreamStatus] = {}
+        self._points: dict[str, ResumePoint] = {}
         self._unusable: set[str] = set()
-        self._fresh: set[str] = set()  # next subscription must not resume
-        self._restart: dict[str, asyncio.Event] = {}
+        self._restarting: set[str] = set()
         self._started = False
         self._pending: list[Worker] = []
 
@@ -125,6 +138,7 @@ class EventSubscriptions:
     def worker_added(self, worker: Worker) -> None:
         if not (worker.spec.bridge or worker.spec.zmq):
             return
+        self._unusable.add(worker.name)  # no evidence until its stream is live
         if not self._started:
             self._pending.append(worker)
             return
@@ -134,9 +148,12 @@ class EventSubscriptions:
         task = self._tasks.pop(worker.name, None)
         if task is not None:
             task.cancel()
+        self._pending = [w for w in self._pending if w is not worker]
+        self._sessions.pop(worker.name, None)
         self._status.pop(worker.name, None)
+        self._points.pop(worker.name, None)
         self._unusable.discard(worker.name)
-        self._restart.pop(worker.name, None)
+        self._restarting.discard(worker.name)
         self._index.remove_worker(worker.name)
 
     # -- lifecycle ----------------------------------------------------------------------
@@ -167,17 +184,18 @@ class EventSubscriptions:
             return False
         self._index.invalidate(name)
         self._unusable.add(name)
-        self._fresh.add(name)
-        event = self._restart.get(name)
-        if event is not None:
-            event.set()
+        self._points[name] = ResumePoint()  # fresh: the bridge answers with a snapshot
+        session = self._sessions.get(name)
+        if session is not None and not session.done():
+            self._restarting.add(name)
+            session.cancel()
         return True
 
     # -- the loop -------------------------------------------------------------------------
     def _start(self, worker: Worker) -> None:
         self._status[worker.name] = StreamStatus()
+        self._points[worker.name] = ResumePoint()
         self._unusable.add(worker.name)
-        self._restart[worker.name] = asyncio.Event()
         self._tasks[worker.name] = asyncio.create_task(
             self._follow(worker), name=f"kvroute-events-{worker.name}"
         )
@@ -189,69 +207,55 @@ class EventSubscriptions:
         if transport is None:
             return
         delay = self._cfg.reconnect_initial_s
+        me = asyncio.current_task()
         try:
             while True:
-                restart = self._restart[name]
-                restart.clear()
-                got_message = await self._session(worker, transport, status, restart)
-                if restart.is_set():
-                    delay = self._cfg.reconnect_initial_s
-                    continue
+                session = asyncio.create_task(self._session(worker, transport, status))
+                self._sessions[name] = session
+                try:
+                    got_message = await session
+                except asyncio.CancelledError:
+                    if name in self._restarting and me is not None and not me.cancelling():
+                        self._restarting.discard(name)
+                        status.state = CONNECTING
+                        continue  # a resync: subscribe again at once, from a snapshot
+                    session.cancel()
+                    raise
                 self._mark_lost(name, status)
                 if got_message:
                     delay = self._cfg.reconnect_initial_s
                 status.reconnects += 1
                 await asyncio.sleep(delay * (0.8 + 0.4 * random.random()))
                 delay = min(delay * 2, self._cfg.reconnect_max_s)
-        except asyncio.CancelledError:
-            raise
         finally:
             await transport.close()
 
-    async def _session(
-        self,
-        worker: Worker,
-        transport: Transport,
-        status: StreamStatus,
-        restart: asyncio.Event,
-    ) -> bool:
-        """One subscription until it ends or a restart is asked; True if anything arrived."""
+    async def _session(self, worker: Worker, transport: Transport, status: StreamStatus) -> bool:
+        """One subscription until it ends; True if anything arrived."""
         name = worker.name
-        fresh = name in self._fresh or status.last_sequence is None or not status.stream_id
-        self._fresh.discard(name)
-        request = events_pb2.SubscribeRequest(dp_rank=worker.spec.dp_rank)
-        if not fresh:
-            request.resume = True
-            request.after_sequence = status.last_sequence or 0
-            request.stream_id = status.stream_id
+        point = self._points[name]
+        request = point.request(worker.spec.dp_rank)
+        resumed = request.resume
         status.state = CONNECTING
         got = False
         stream = transport.open(request)
-        waiter = asyncio.ensure_future(restart.wait())
         try:
-            while True:
-                nxt = asyncio.ensure_future(anext(stream))
-                done, _ = await asyncio.wait({nxt, waiter}, return_when=asyncio.FIRST_COMPLETED)
-                if nxt not in done:
-                    nxt.cancel()
-                    await asyncio.gather(nxt, return_exceptions=True)
-                    return got
-                try:
-                    message = nxt.result()
-                except StopAsyncIteration:
-                    status.last_error = "stream ended"
-                    return got
-                except grpc.aio.AioRpcError as exc:
-                    status.last_error = f"{exc.code().name}: {exc.details()}"
-                    return got
-                except (OSError, ConnectionError) as exc:
-                    status.last_error = str(exc)
-                    return got
+            async for message in stream:
                 got = True
+                if message is None:
+                    if resumed:  # the view we kept is current again
+                        self._go_live(name, status)
+                    continue
                 self._handle(name, status, message)
+                point.observe(message)
+            status.last_error = "stream ended"
+        except grpc.aio.AioRpcError as exc:
+            status.last_error = f"{exc.code().name}: {exc.details()}"
+        except (OSError, ConnectionError) as exc:
+            status.last_error = str(exc)
         finally:
-            waiter.cancel()
             await stream.aclose()  # type: ignore[attr-defined]
+        return got
 
     def _handle(
         self, name: str, status: StreamStatus, message: events_pb2.SubscribeResponse
@@ -267,6 +271,7 @@ class EventSubscriptions:
             self._metrics.event_snapshots.labels(name, snap.reason or "unknown").inc()
             if status.state != LIVE:
                 log.info("events %s: snapshot (%s), %d events", name, snap.reason, len(snap.events))
+            self._go_live(name, status)
         elif kind == "batch":
             batch = message.batch
             self._index.apply(name, batch)
@@ -277,13 +282,14 @@ class EventSubscriptions:
             return
         self._metrics.event_apply_seconds.observe(time.perf_counter() - started)
         status.last_message_at = self._clock()
-        if status.state != LIVE:
-            if kind == "batch" and name in self._fresh:
-                return
-            status.state = LIVE
-            status.since = self._clock()
-            status.last_error = ""
-            self._unusable.discard(name)
+
+    def _go_live(self, name: str, status: StreamStatus) -> None:
+        if status.state == LIVE:
+            return
+        status.state = LIVE
+        status.since = self._clock()
+        status.last_error = ""
+        self._unusable.discard(name)
 
     def _mark_lost(self, name: str, status: StreamStatus) -> None:
         if status.state == LIVE:

@@ -64,6 +64,7 @@ async def rig(
     *,
     extra_workers: list[dict[str, Any]] | None = None,
     index: IndexView | None = None,
+    bridges: dict[str, str] | None = None,
     **config: Any,
 ) -> AsyncIterator[Rig]:
     """n fake engines w0..w(n-1) plus a router in front of them."""
@@ -75,7 +76,10 @@ async def rig(
             keep: list[Any] = []
             urls[name] = await stack.enter_async_context(serve(make_engine(script), keep=keep))
             servers[name] = keep[0]
-        workers = [{"name": name, "url": url} for name, url in urls.items()]
+        workers: list[dict[str, Any]] = [{"name": name, "url": url} for name, url in urls.items()]
+        for w in workers:
+            if bridges and w["name"] in bridges:
+                w["bridge"] = bridges[w["name"]]
         workers += extra_workers or []
         cfg = router_config(workers, **config)
         idx = index if index is not None else ScriptedIndex()

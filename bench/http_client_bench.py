@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true", help="a few hundred requests per cell")
     p.add_argument("--out", default=str(RESULTS), help="results directory")
     args = p.parse_args(argv)
-    total = 300 if args.smoke else args.requests
+    total = 100 if args.smoke else args.requests
     result = run(total, args.smoke)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

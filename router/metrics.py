@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -31,6 +31,7 @@ class RouterMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self.requests = Counter(
             "kvroute_requests",
             "Requests answered, by endpoint and HTTP status",
@@ -155,6 +156,14 @@ class RouterMetrics:
         self.bad_input_logged = Counter(
             "kvroute_log_suppressed", "Log lines suppressed by rate limiting", registry=r
         )
+
+    def child(self, metric: Any, *values: str) -> Any:
+        """`metric.labels(*values)`, cached: the label lookup is not free on the hot path."""
+        key = (id(metric), values)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*values)
+        return found
 
     def attach_state(
         self,

@@ -141,18 +141,26 @@ def _check_prompt(endpoint: str, body: dict[str, Any]) -> None:
 
 
 def _is_prompt(value: object) -> bool:
+    """A completions prompt: text, texts, token ids, or lists of ids (element types checked
+    by msgspec, in C, so a 32K-token prompt costs microseconds)."""
     if isinstance(value, str):
         return True
     if not isinstance(value, list) or not value:
         return False
     first = value[0]
     if isinstance(first, str):
-        return all(isinstance(v, str) for v in value)
-    if isinstance(first, int) and not isinstance(first, bool):
-        return all(isinstance(v, int) and not isinstance(v, bool) for v in value)
-    if isinstance(first, list):
-        return all(isinstance(v, list) and v and all(isinstance(t, int) for t in v) for v in value)
-    return False
+        kind: Any = list[str]
+    elif isinstance(first, list):
+        kind = list[list[int]]
+        if not all(value):
+            return False
+    else:
+        kind = list[int]
+    try:
+        msgspec.convert(value, kind)
+    except msgspec.ValidationError:
+        return False
+    return True
 
 
 def _bad(param: str, what: str) -> RouterError:

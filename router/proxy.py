@@ -45,6 +45,7 @@ from router.policy import Candidate
 from router.retry import Backoff, RetryBudget, retryable_status
 from router.routing import Prompt, Routing
 from router.sse import SseFilter, Usage, usage_from_json
+from router.tokenize.ratelog import RateLimitedLog
 from router.upstream import Upstream, UpstreamConnectError, UpstreamResponse, UpstreamTimeout
 from router.verify import Verifier
 from router.workers import Worker, WorkerRegistry
@@ -111,6 +112,7 @@ class Proxy:
         self._seq = 0
         self._max_body = cfg.limits.max_body_bytes
         self._show_headers = cfg.admin.response_headers
+        self._ratelog = RateLimitedLog(log, interval_s=10.0)
 
     @property
     def in_flight(self) -> int:
@@ -138,7 +140,8 @@ class Proxy:
             status = await self._route_and_forward(path, raw, scope, send)
         except RouterError as exc:
             status = exc.kind.status
-            self._metrics.errors.labels(exc.kind.kind).inc()
+            self._metrics.child(self._metrics.errors, exc.kind.kind).inc()
+            self._ratelog.warning(exc.kind.kind, "%s %s: %s", status, path, exc.message)
             await _send_error(send, exc)
         except asyncio.CancelledError:
             task = asyncio.current_task()
@@ -154,8 +157,8 @@ class Proxy:
             self._in_flight -= 1
             if watcher is not None:
                 watcher.cancel()
-            self._metrics.requests.labels(path, str(status)).inc()
-            self._metrics.duration.labels(path).observe(time.perf_counter() - started)
+            self._metrics.child(self._metrics.requests, path, str(status)).inc()
+            self._metrics.child(self._metrics.duration, path).observe(time.perf_counter() - started)
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
         for name, value in scope["headers"]:
@@ -266,7 +269,7 @@ class Proxy:
                 )
             except RouterError:
                 return await self._give_up(failure, record, send)
-            self._metrics.retries.labels(failure.cause).inc()
+            self._metrics.child(self._metrics.retries, failure.cause).inc()
             cand = decision.chosen
             assert cand is not None
 
@@ -279,7 +282,8 @@ class Proxy:
             return status
         error = failure.error or RouterError(UPSTREAM, "upstream failed")
         record.status = error.kind.status
-        self._metrics.errors.labels(error.kind.kind).inc()
+        self._metrics.child(self._metrics.errors, error.kind.kind).inc()
+        self._ratelog.warning(error.kind.kind, "giving up: %s", error.message)
         await _send_error(send, error)
         return error.kind.status
 
@@ -315,7 +319,7 @@ class Proxy:
                 if resp.status == 429 or retryable_status(resp.status):
                     data = await resp.read()
                     resp.release()
-                    metrics.upstream.labels(worker.name, f"{resp.status // 100}xx").inc()
+                    metrics.child(metrics.upstream, worker.name, f"{resp.status // 100}xx").inc()
                     if resp.status >= 500:
                         breaker.record_failure(self._clock())
                     else:
@@ -328,12 +332,12 @@ class Proxy:
                 else:
                     first = await resp.read()
             except UpstreamTimeout as exc:
-                metrics.upstream.labels(worker.name, "timeout").inc()
+                metrics.child(metrics.upstream, worker.name, "timeout").inc()
                 breaker.record_failure(self._clock())
                 verdict = True
                 return _Failure("timeout", RouterError(UPSTREAM_TIMEOUT, f"{worker.name}: {exc}"))
             except UpstreamConnectError as exc:
-                metrics.upstream.labels(worker.name, "connect").inc()
+                metrics.child(metrics.upstream, worker.name, "connect").inc()
                 breaker.record_failure(self._clock())
                 verdict = True
                 return _Failure("connect", RouterError(UPSTREAM, f"{worker.name}: {exc}"))
@@ -341,8 +345,8 @@ class Proxy:
             breaker.record_success()
             verdict = True
             ticket.prefill_done()
-            metrics.ttfb.labels(worker.name).observe(time.perf_counter() - dispatched)
-            metrics.upstream.labels(worker.name, f"{resp.status // 100}xx").inc()
+            metrics.child(metrics.ttfb, worker.name).observe(time.perf_counter() - dispatched)
+            metrics.child(metrics.upstream, worker.name, f"{resp.status // 100}xx").inc()
             record.status = resp.status
             out_headers = _resp_headers(resp)
             if self._show_headers:
@@ -390,8 +394,8 @@ class Proxy:
                     await send({"type": "http.response.body", "body": out, "more_body": True})
                 chunk = await resp.next_chunk()
         except (UpstreamConnectError, UpstreamTimeout) as exc:
-            self._metrics.errors.labels(MID_STREAM.kind).inc()
-            log.warning("upstream failed mid-stream: %s", exc)
+            self._metrics.child(self._metrics.errors, MID_STREAM.kind).inc()
+            self._ratelog.warning(MID_STREAM.kind, "upstream failed mid-stream: %s", exc)
             record.status = MID_STREAM.status
             tail = sse.flush()
             if tail and not tail.endswith(b"\n\n"):

@@ -113,10 +113,10 @@ class Routing:
         except ValueError as exc:  # router.tokenize.TokenizeError subclasses ValueError
             raise RouterError(TOKENIZE, str(exc), param=getattr(exc, "param", None)) from None
         if got is None:
-            self._metrics.token_source.labels("none").inc()
+            self._metrics.child(self._metrics.token_source, "none").inc()
             estimate = max(1, len(req.raw) // BYTES_PER_TOKEN_ESTIMATE)
             return Prompt(None, "none", estimate, route.lora_name, req.cache_salt)
-        self._metrics.token_source.labels(got.source).inc()
+        self._metrics.child(self._metrics.token_source, got.source).inc()
         ids = got.token_ids
         return Prompt(ids, got.source, len(ids), route.lora_name, req.cache_salt)
 
@@ -159,7 +159,7 @@ class Routing:
             workers, RouteInput(prompt.n_tokens, reuse, key), self._clock()
         )
         self._decision_hist.observe(time.perf_counter() - started)
-        self._decision_count.labels(decision.policy, decision.reason).inc()
+        self._metrics.child(self._decision_count, decision.policy, decision.reason).inc()
         if decision.chosen is None:
             raise RouterError(
                 NO_WORKER,

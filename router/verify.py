@@ -85,7 +85,7 @@ class Verifier:
             return NOT_REPORTED
         m = self._metrics
         if cached is None:
-            m.prediction_outcomes.labels(worker, NOT_REPORTED).inc()
+            m.child(m.prediction_outcomes, worker, NOT_REPORTED).inc()
             return NOT_REPORTED
         acc = self._workers.get(worker)
         if acc is None:
@@ -97,7 +97,7 @@ class Verifier:
             and (prompt_tokens != router_tokens)
         ):
             acc.tokenizer_mismatches += 1
-            m.prediction_outcomes.labels(worker, TOKENIZER_MISMATCH).inc()
+            m.child(m.prediction_outcomes, worker, TOKENIZER_MISMATCH).inc()
             return TOKENIZER_MISMATCH
         if router_tokens is None:
             return NOT_REPORTED  # no ids, no prediction to judge
@@ -111,10 +111,10 @@ class Verifier:
         acc.last_error = error
         acc.misses += int(miss)
         acc.recent.append(miss)
-        m.predicted_tokens.labels(worker).inc(guess)
-        m.reported_tokens.labels(worker).inc(cached)
-        m.prediction_outcomes.labels(worker, outcome).inc()
-        m.prediction_error.labels(worker).observe(abs(error))
+        m.child(m.predicted_tokens, worker).inc(guess)
+        m.child(m.reported_tokens, worker).inc(cached)
+        m.child(m.prediction_outcomes, worker, outcome).inc()
+        m.child(m.prediction_error, worker).observe(abs(error))
         self._judge(worker, acc)
         return outcome
 
@@ -144,4 +144,4 @@ class Verifier:
         acc.resyncs += 1
         acc.recent.clear()
         if self._resync(worker):
-            self._metrics.resyncs.labels(worker, "drift").inc()
+            self._metrics.child(self._metrics.resyncs, worker, "drift").inc()

@@ -80,22 +80,48 @@ class LoadModel:
         self._stale = stale_after_s
 
     def candidate(self, worker: Worker, reuse: int | None, n_tokens: int, now: float) -> Candidate:
+        return self.candidates([worker], {worker.name: reuse}, n_tokens, now)[0]
+
+    def candidates(
+        self, workers: Sequence[Worker], reuse: Mapping[str, int | None], n_tokens: int, now: float
+    ) -> list[Candidate]:
+        """One Candidate per worker (a tight loop: this runs for every worker per request)."""
         cfg = self.cfg
-        load = worker.load
-        others_total, others_waiting = load.others(now, self._stale)
-        queued = load.queued_prefill_tokens + round(others_waiting * self._mean_prompt())
-        running = load.running + others_total
-        hit = min(reuse or 0, n_tokens)
-        uncached = n_tokens - hit
-        queue_s = queued / cfg.prefill_tokens_per_s
-        est = queue_s + uncached / cfg.prefill_tokens_per_s + cfg.decode_s_per_running * running
-        kv = load.kv_usage(now, self._stale)
-        saturated = (
-            queue_s > cfg.saturation_queue_s
-            or running >= cfg.max_running_per_worker
-            or (kv is not None and kv >= cfg.kv_usage_saturation)
-        )
-        return Candidate(worker, reuse, uncached, running, queued, kv, est, saturated)
+        inv_rate = 1.0 / cfg.prefill_tokens_per_s
+        per_running = cfg.decode_s_per_running
+        sat_queue = cfg.saturation_queue_s
+        max_running = cfg.max_running_per_worker
+        kv_sat = cfg.kv_usage_saturation
+        stale = self._stale
+        mean_prompt = self._mean_prompt()
+        get = reuse.get
+        out: list[Candidate] = []
+        append = out.append
+        for worker in workers:
+            load = worker.load
+            queued = load.queued_prefill_tokens
+            running = load.running
+            kv = None
+            m = load.engine
+            if m is not None and now - m.at <= stale:
+                others_total, others_waiting = load.others(now, stale)
+                queued += round(others_waiting * mean_prompt)
+                running += others_total
+                kv = m.kv_usage
+            r = get(worker.name)
+            if r is None:
+                uncached = n_tokens
+            elif r >= n_tokens:
+                uncached = 0
+            else:
+                uncached = n_tokens - r
+            queue_s = queued * inv_rate
+            est = queue_s + uncached * inv_rate + per_running * running
+            saturated = (
+                queue_s > sat_queue or running >= max_running or (kv is not None and kv >= kv_sat)
+            )
+            append(Candidate(worker, r, uncached, running, queued, kv, est, saturated))
+        return out
 
 
 class Policy:
@@ -109,7 +135,7 @@ class Policy:
     def decide(self, workers: Sequence[Worker], req: RouteInput, now: float) -> Decision:
         n = req.n_tokens
         reuse = req.reuse
-        cands = [self.load_model.candidate(w, reuse.get(w.name), n, now) for w in workers]
+        cands = self.load_model.candidates(workers, reuse, n, now)
         if not cands:
             return Decision(self.name, None, NO_WORKER, "no eligible worker", [], n, None, 0)
         chosen, reason, detail = self.pick(cands, req)

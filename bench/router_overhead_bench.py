@@ -116,7 +116,8 @@ async def _load(url: str, stream: bool, concurrency: int, total: int) -> dict[st
                 else:
                     await resp.read()
 
-        for _ in range(min(300, total)):
+        warmup = min(300, total)
+        for _ in range(warmup):
             await one()
         remaining = total
 
@@ -136,6 +137,7 @@ async def _load(url: str, stream: bool, concurrency: int, total: int) -> dict[st
         "median_ms": statistics.median(latencies) * 1e3,
         "p99_ms": latencies[int(0.99 * (len(latencies) - 1))] * 1e3,
         "req_per_s": len(latencies) / wall,
+        "sent": warmup + len(latencies),
     }
 
 
@@ -156,8 +158,8 @@ def proxy_overhead(total: int) -> list[dict[str, Any]]:
                     "router": via,
                     "added_median_ms": via["median_ms"] - direct["median_ms"],
                     "added_p99_ms": via["p99_ms"] - direct["p99_ms"],
-                    # warm-up requests ran outside the window; CPU counts the measured ones
-                    "router_cpu_us_per_req": cpu / total * 1e6,
+                    # the CPU window includes the warm-up requests: divide by all sent
+                    "router_cpu_us_per_req": cpu / via["sent"] * 1e6,
                 }
                 cells.append(cell)
                 print(

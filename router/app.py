@@ -24,6 +24,7 @@ from starlette.routing import Route
 from router.admin import Admin
 from router.config import RouterConfig, TokenizerConfig
 from router.decisions import DecisionLog
+from router.discovery import parse_discovery_config, start_discovery
 from router.events import EventSubscriptions, TransportFactory, default_transport
 from router.health import HealthChecker, MetricsProbe, ModelsProbe, Periodic
 from router.index_view import IndexView
@@ -227,6 +228,11 @@ def create_app(
         if own_tokenizers and start is not None:
             await start()
         await StaticDiscovery(cfg.workers).run(registry)
+        discovery = (
+            await start_discovery(parse_discovery_config(cfg.discovery), registry)
+            if cfg.discovery
+            else None
+        )
         # First probes before serving, so the first request sees health and models.
         for job in jobs:
             await job.run_once()
@@ -243,6 +249,8 @@ def create_app(
         try:
             yield
         finally:
+            if discovery is not None:
+                await discovery.stop()
             for job in jobs:
                 await job.stop()
             await events.stop()

@@ -224,6 +224,10 @@ class RouterConfig:
         default_factory=VerifyConfig, metadata={"doc": "checking predictions against engines"}
     )
     admin: AdminConfig = field(default_factory=AdminConfig, metadata={"doc": "admin API"})
+    discovery: dict[str, Any] = field(
+        default_factory=dict,
+        metadata={"doc": "dynamic worker sources: file and/or kubernetes (router/discovery)"},
+    )
     tokenizer: TokenizerConfig = field(
         default_factory=TokenizerConfig, metadata={"doc": "exact tokenization"}
     )

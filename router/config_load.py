@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 import yaml
 
 from router.config import POLICY_NAMES, TOKENIZER_MODES, ModelSpec, RouterConfig, WorkerSpec
+from router.discovery import DiscoveryConfigError, parse_discovery_config
 
 ENV_PREFIX = "KVROUTE_"
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -135,6 +136,8 @@ def _normalise(data: Mapping[str, Any]) -> dict[str, Any]:
 def _build(tp: Any, value: Any, path: str, errors: list[str]) -> Any:
     """Convert `value` to type `tp`, appending problems to `errors` (returns None then)."""
     where = path or "config"
+    if tp is Any:
+        return value
     origin = typing.get_origin(tp)
     if origin in (Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
@@ -212,8 +215,15 @@ def validate(c: RouterConfig) -> list[str]:
     need(0 <= c.port <= 65535, f"port: expected 0..65535, got {c.port}")
     need(c.processes >= 1, f"processes: expected >= 1, got {c.processes}")
     need(c.log_level in LOG_LEVELS, f"log_level: expected one of {LOG_LEVELS}")
-    if not c.workers and not c.admin.token:
-        errors.append("workers: at least one worker is needed (or admin.token, to add them later)")
+    if c.discovery:
+        try:
+            parse_discovery_config(c.discovery)
+        except DiscoveryConfigError as exc:
+            errors.append(str(exc))
+    if not c.workers and not c.admin.token and not c.discovery:
+        errors.append(
+            "workers: at least one worker is needed (or discovery, or admin.token to add them)"
+        )
     seen: set[str] = set()
     for i, w in enumerate(c.workers):
         errors.extend(validate_worker(w, f"workers[{i}]"))

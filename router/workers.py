@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 from router.breaker import CircuitBreaker
 from router.config import BreakerConfig, WorkerSpec
+from router.discovery.spec import WorkerSpec as DiscoveredSpec
 from router.load import WorkerLoad
 
 ACTIVE = "active"
@@ -77,7 +78,7 @@ def _identity(spec: WorkerSpec) -> tuple[object, ...]:
     return (spec.url, spec.bridge, spec.zmq, spec.replay, spec.topic, spec.dp_rank, spec.instance)
 
 
-def _as_worker_spec(spec: object) -> WorkerSpec:
+def _as_worker_spec(spec: WorkerSpec | DiscoveredSpec) -> WorkerSpec:
     """Accept any record with the `workers:` entry fields (e.g. discovery's WorkerSpec)."""
     if isinstance(spec, WorkerSpec):
         return spec
@@ -192,7 +193,7 @@ class WorkerRegistry:
         return worker
 
     # -- DiscoverySink (router/discovery): synchronous, on the loop --------------------
-    def upsert(self, spec: WorkerSpec) -> None:
+    def upsert(self, spec: WorkerSpec | DiscoveredSpec) -> None:
         """Add a worker or replace its spec; a changed identity is a fresh engine."""
         spec = _as_worker_spec(spec)
         current = self._workers.get(spec.name)

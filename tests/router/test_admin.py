@@ -148,3 +148,29 @@ def test_inspect_cli_prints_table(tmp_path: Path) -> None:
             assert code == 1 and "401" in err
 
     run(go())
+
+
+def test_discovery_file_adds_and_drains_workers(tmp_path: Path) -> None:
+    import yaml
+
+    path = tmp_path / "workers.yaml"
+    path.write_text(yaml.safe_dump({"workers": []}))
+
+    async def go() -> None:
+        async with rig(2, discovery={"file": {"path": str(path), "poll_seconds": 0.05}}) as r:
+            spec = {"name": "found", "url": r.engine_urls["w1"], "model": "m"}
+            path.write_text(yaml.safe_dump({"workers": [spec]}))
+            for _ in range(200):
+                if r.parts.registry.get("found") is not None:
+                    break
+                await asyncio.sleep(0.02)
+            found = r.parts.registry.get("found")
+            assert found is not None and found.spec.url == r.engine_urls["w1"]
+            path.write_text(yaml.safe_dump({"workers": []}))
+            for _ in range(200):
+                if r.parts.registry.get("found") is None:
+                    break
+                await asyncio.sleep(0.02)
+            assert r.parts.registry.get("found") is None  # drained (idle) and removed
+
+    run(go())

@@ -149,3 +149,10 @@ def test_defaults_reference_documents_every_field() -> None:
         assert key in text
     assert text.count("#") > 60  # every line carries its documentation
     assert yaml.safe_load(text) is not None  # the reference is valid YAML itself
+
+
+def test_discovery_section_is_validated() -> None:
+    cfg = config_from_dict({"discovery": {"file": {"path": "/tmp/w.yaml"}}})
+    assert cfg.workers == [] and cfg.discovery["file"]["path"] == "/tmp/w.yaml"
+    with pytest.raises(ConfigError, match="discovery"):
+        config_from_dict({**FLEET, "discovery": {"files": {}}})

@@ -1,8 +1,7 @@
 """A simulated fleet for benchmarks: start it, learn its engines, read their counters.
 
-The fleet is ``kvroute sim fleet --workers N --model-profile P --config-out PATH`` (or, until
-the sim ships that command, :mod:`bench.simfleet` with the same flags) in its own process
-group (:class:`bench.procs.ProcessGroup`). PATH is the router config the fleet
+The fleet is ``kvroute sim fleet --workers N --model-profile P --config-out PATH`` in its own
+process group (:class:`bench.procs.ProcessGroup`). PATH is the router config the fleet
 writes (``workers:`` with each engine's ``name`` and ``url``, see notes/router-config.md);
 the bench reads the engine URLs from it to point the other routers at the same engines.
 
@@ -13,7 +12,6 @@ before and after a run.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 import time
@@ -48,14 +46,6 @@ class FleetError(RuntimeError):
     """The fleet did not come up (message includes the tail of its log)."""
 
 
-def sim_fleet_available() -> bool:
-    """True when the sim's own ``kvroute sim fleet`` exists (else bench.simfleet stands in)."""
-    try:
-        return importlib.util.find_spec("sim.cli") is not None
-    except ImportError:
-        return False
-
-
 def _served_model(url: str) -> str:
     with urllib.request.urlopen(url + "/v1/models", timeout=5.0) as resp:
         data = json.loads(resp.read())
@@ -74,11 +64,12 @@ def start_fleet(
     """Start a fleet and wait until every engine answers; raises :class:`FleetError`."""
     config = run_dir / f"fleet-{profile}.yaml"
     config.unlink(missing_ok=True)
-    launcher = ["kvroute.cli", "sim", "fleet"] if sim_fleet_available() else ["bench.simfleet"]
     cmd = [
         sys.executable,
         "-m",
-        *launcher,
+        "kvroute",
+        "sim",
+        "fleet",
         "--workers",
         str(workers),
         "--model-profile",

@@ -34,7 +34,13 @@ from bench.loadgen import LoadConfig, progress_printer, run_trace
 from bench.peers import find_peers
 from bench.procs import ProcessGroup
 from bench.report import routing_markdown, routing_plot
-from bench.routers import ROUTERS, RouterUnavailable, kvroute_available, start_router
+from bench.routers import (
+    ROUTERS,
+    RouterUnavailable,
+    kvroute_available,
+    kvroute_predictions,
+    start_router,
+)
 from bench.stats import summarize
 from bench.textgen import TokenSpace
 from bench.trace import TraceRequest, from_mooncake, read_jsonl, read_mooncake
@@ -101,6 +107,8 @@ def run_router(cfg: BenchConfig, profile: str, name: str, run_dir: Path) -> dict
             run_trace(cfg.trace, load, progress_printer(len(cfg.trace), every=100))
         )
         after = scrape(fleet.engines)
+        if spec.kind == "kvroute":
+            row["prediction"] = kvroute_predictions(router.url)
     summary = summarize(records, cfg.slo_ttft_s)
     row.update(delta(before, after))
     row["summary"] = summary.to_json()

@@ -111,3 +111,12 @@ def test_serve_with_two_processes(tmp_path: Path) -> None:
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+
+
+def test_router_overhead_bench_smoke(tmp_path: Path) -> None:
+    data = _bench("bench.router_overhead_bench", tmp_path)
+    assert data["benchmark"] == "overhead" and data["smoke"] is True
+    cells = data["proxy"]
+    assert isinstance(cells, list) and len(cells) == 4
+    decision = data["decision"]
+    assert isinstance(decision, dict) and decision["chosen"] == decision["expected"]

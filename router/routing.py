@@ -86,6 +86,13 @@ class Routing:
                 )
             name = str(cards[0]["id"])
         route = self.registry.route(name)
+        if route is None and name in self._models:
+            # a configured model nobody serves right now: the fleet is down, not the name wrong
+            raise RouterError(
+                NO_WORKER,
+                f"no worker serves model `{name}` right now",
+                retry_after=self._retry_after,
+            )
         if route is None:
             raise RouterError(
                 UNKNOWN_MODEL,

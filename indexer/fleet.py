@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from collections.abc import Container, Iterator, Sequence
 from dataclasses import dataclass
@@ -136,7 +137,7 @@ class FleetIndex:
         w = self._workers.get(worker_id)
         if w is None:
             raise KeyError(worker_id)
-        return w.feed.stats()
+        return dataclasses.replace(w.feed.stats(), expectations=self._spec.count(w.index))
 
     def layout(self, worker_id: str) -> Layout:
         return self._workers[worker_id].lineage.layout()

@@ -56,6 +56,10 @@ class Expectations:
     def __len__(self) -> int:
         return sum(len(v) for v in self._by_worker.values())
 
+    def count(self, index: int) -> int:
+        """Live expectations of one worker."""
+        return len(self._by_worker.get(index, ()))
+
     @staticmethod
     def _inc(inv: dict[int, int], counts: dict[tuple[int, int], int], key: int, index: int) -> None:
         n = counts.get((key, index), 0)

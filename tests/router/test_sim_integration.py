@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
+
 from proto import events_pb2
 from tests.router.sim_fleet import MODEL, SimRig, sim_fleet
 from tests.router.test_events import until
@@ -83,14 +85,15 @@ async def completions_on(r: SimRig, worker: str, prompt: str) -> dict[str, Any]:
     return answer
 
 
-def test_hybrid_sliding_window_choice_where_full_attention_only_is_wrong() -> None:
+@pytest.mark.parametrize("profile", ["swa", "mamba"])
+def test_hybrid_choice_where_full_attention_only_is_wrong(profile: str) -> None:
     """w0 served a long prompt: its full-attention blocks cover most of the new request, but
-    vLLM kept its sliding-window blocks only near that prompt's end, so it can reuse nothing.
-    w1 served a shorter prefix that ends where its window is intact."""
+    vLLM kept its sliding-window blocks (or Mamba states) only near that prompt's end, so it
+    can reuse little there. w1 served a shorter prefix whose end state is intact."""
     request = LONG[: len(LONG) * 9 // 10] + " and a new ending"
 
     async def scenario(policy: str) -> tuple[str, int, dict[str, int], dict[str, Any]]:
-        async with sim_fleet(2, profile="swa", policy=policy) as r:
+        async with sim_fleet(2, profile=profile, policy=policy) as r:
             await completions_on(r, "w0", LONG)
             await completions_on(r, "w1", LONG[: len(LONG) * 3 // 4])
             body = {"model": MODEL, "prompt": request, "max_tokens": 4}

@@ -213,7 +213,7 @@ class LocalTokenizer:
         encoded = encode(pieces)
         ids = prefix + encoded[0]
         if cut is not None:
-            self.cache.insert(text, digests, cut, ids)
+            self.cache.insert(text, digests, cut, cut + self.encoder.guard_chars, ids)
             ids = ids + encoded[1]
         new = sum(len(p) for p in encoded)
         if hit is not None and self._verify_every > 0:

@@ -219,6 +219,19 @@ EDGE_BODIES: list[dict[str, Any]] = [
             {"role": "tool", "tool_call_id": "1", "content": "r"},
         ]
     },
+    # arguments must be a string in the API (vLLM refuses an object)
+    {
+        "messages": [
+            {"role": "user", "content": "q"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {"id": "1", "type": "function", "function": {"name": "f", "arguments": {}}}
+                ],
+            },
+        ]
+    },
     # empty tool_calls list is dropped
     {
         "messages": [

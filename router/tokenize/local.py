@@ -20,7 +20,6 @@ from router.tokenize.encoder import TextEncoder
 from router.tokenize.errors import TokenizeError
 from router.tokenize.model_dir import ModelFiles, load_model_dir
 from router.tokenize.prefix_cache import PrefixCache
-from router.tokenize.request_ids import validate_ids
 from router.tokenize.spec import TokenizerSpec
 from router.tokenize.template import ChatTemplate, RenderInput, choose_template, make_environment
 
@@ -192,11 +191,6 @@ class LocalTokenizer:
                 "`add_special_tokens` must be a boolean", param="add_special_tokens"
             )
         return self.text_ids(prompt, add_special, encode)
-
-    def check_ids(self, ids: Any, param: str) -> list[int]:
-        return validate_ids(
-            ids, param=param, vocab_size=self.vocab_size, max_len=self.spec.max_prompt_tokens
-        )
 
     # ---- encoding -------------------------------------------------------------------------
 

@@ -50,9 +50,12 @@ def _scratch(tok: LocalTokenizer, text_: str) -> list[int]:
 # ---- the core property: cached == from scratch --------------------------------------------
 
 
+SIM_MODEL = Path(__file__).resolve().parents[2] / "sim" / "model"
+
+
 @FIXTURE_SETTINGS
 @given(
-    kind=st.sampled_from(["chatml", "llama3"]),
+    kind=st.sampled_from(["chatml", "llama3", "sim"]),
     convo=conversations(),
     extra=st.lists(st.tuples(text, text), min_size=1, max_size=3),
 )
@@ -61,7 +64,7 @@ def test_multi_turn_ids_equal_from_scratch(
 ) -> None:
     """Turn after turn of one conversation: every turn's ids equal a full tokenization, and
     later turns reuse the earlier ones."""
-    tok = _shared(model_dirs[kind])
+    tok = _shared(SIM_MODEL if kind == "sim" else model_dirs[kind])
     messages = list(convo)
     for user_text, answer in [("", ""), *extra]:
         if user_text or answer:

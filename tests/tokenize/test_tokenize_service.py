@@ -559,3 +559,31 @@ def test_render_uses_an_injected_transport(model_dirs: dict[str, Path]) -> None:
     got = run(go)
     assert got is not None and got.source == "render"
     assert calls == ["http://127.0.0.1:9/v1/chat/completions/render"]
+
+
+# ---- the check tool ---------------------------------------------------------------------------
+
+
+def test_check_tool_against_an_engine(
+    model_dirs: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from router.tokenize import check
+
+    async def go(engine_dir: Path, local_dir: Path) -> int:
+        engine = FakeEngine(engine_dir)
+        local = _reference(local_dir)
+        async with serve(engine) as url:
+            from router.tokenize.render_client import AiohttpPoster
+
+            poster = AiohttpPoster()
+            try:
+                return await check.run_check(local, url, "m", poster)
+            finally:
+                await poster.aclose()
+
+    assert run(lambda: go(model_dirs["chatml"], model_dirs["chatml"])) == 0
+    assert "ok    chat: tools and a tool call" in capsys.readouterr().out
+    # an engine with another tokenizer: the tool reports the difference
+    assert run(lambda: go(model_dirs["llama3"], model_dirs["chatml"])) == 1
+    assert "DIFF" in capsys.readouterr().out
+    assert check.main(["--model-dir", "/nonexistent", "--engine", "http://127.0.0.1:9"]) == 2

@@ -114,8 +114,15 @@ class Tokenizers:
         started = time.perf_counter()
         try:
             result = await self._token_ids(key, spec, endpoint, body, worker_url_for_render)
-        except TokenizeError:
+        except TokenizeError as exc:
             self._metrics.results.labels(key, "client_error").inc()
+            self._log.warning(
+                f"client:{key}:{exc.param}",
+                "model %s: refused a request (%s): %s",
+                key,
+                exc.param,
+                exc,
+            )
             raise
         except NotExact as exc:
             self._unavailable(key, exc.reason)

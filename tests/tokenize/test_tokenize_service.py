@@ -587,3 +587,24 @@ def test_check_tool_against_an_engine(
     assert run(lambda: go(model_dirs["llama3"], model_dirs["chatml"])) == 1
     assert "DIFF" in capsys.readouterr().out
     assert check.main(["--model-dir", "/nonexistent", "--engine", "http://127.0.0.1:9"]) == 2
+
+
+def test_workers_without_render_routes_are_remembered_within_a_bound() -> None:
+    from router.tokenize import render_client
+
+    class NoRender:
+        async def post_json(self, url: str, payload: Any, timeout_s: float) -> tuple[int, bytes]:
+            if url.endswith("/render"):
+                return 403, b"{}"
+            return 200, json.dumps({"tokens": [1, 2]}).encode()
+
+    client = render_client.RenderClient(NoRender(), 1.0)
+
+    async def go() -> None:
+        for i in range(render_client._REMEMBERED_WORKERS + 3):
+            res = await client.ids(CHAT, _chat("x"), f"http://127.0.0.1:{i}")
+            assert res.ids == [1, 2]
+
+    run(go)
+    assert len(client._no_render) == render_client._REMEMBERED_WORKERS
+    assert "http://127.0.0.1:0" not in client._no_render

@@ -219,3 +219,33 @@ def test_directory_without_template_gives_no_chat_ids(tmp_path: Path) -> None:
     assert tok.completion_ids({"prompt": "hello"})[0] == tok.encoder.encode(
         "hello", add_special_tokens=True
     )
+
+
+def test_request_templates_are_kept_within_a_bound(tmp_path: Path) -> None:
+    from router.tokenize import local as local_mod
+
+    d = _dir(tmp_path)
+    spec = TokenizerSpec("local", path=str(d), trust_request_chat_template=True)
+    tok = LocalTokenizer.from_spec(spec, cache=PrefixCache(8, 1 << 20))
+    bound = local_mod._REQUEST_TEMPLATES_KEPT
+    for i in range(bound + 5):
+        text, _ = tok.render_chat(
+            {"messages": MSGS, "chat_template": f"T{i}{{{{ messages[0].content }}}}"}
+        )
+        assert text == f"T{i}hi"
+    assert len(tok._request_compiled) == bound
+    assert "T0{{ messages[0].content }}" not in tok._request_compiled  # the oldest went first
+
+
+def test_rate_limited_log_is_bounded_and_quiet(caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    from router.tokenize import ratelog
+
+    log = ratelog.RateLimitedLog(logging.getLogger("t"), interval_s=60)
+    for _ in range(5):
+        log.warning("same", "message %s", 1)
+    assert sum(r.message == "message 1" for r in caplog.records) == 1
+    for i in range(ratelog._KEYS_KEPT + 10):
+        log.warning(f"k{i}", "m")
+    assert len(log._last) == ratelog._KEYS_KEPT

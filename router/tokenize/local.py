@@ -23,8 +23,8 @@ from router.tokenize.prefix_cache import PrefixCache
 from router.tokenize.spec import TokenizerSpec
 from router.tokenize.template import ChatTemplate, RenderInput, choose_template, make_environment
 
-# Encodes pieces of text (without special tokens); the default runs in the calling thread, the
-# service can substitute one that ships the work to a process pool.
+# Encodes pieces of text (without special tokens). The default is the tokenizer's own batch
+# encoder in the calling thread (the service's thread pool); a caller may pass another one.
 PieceEncoder = Callable[[Sequence[str]], list[list[int]]]
 
 _REQUEST_TEMPLATES_KEPT = 16

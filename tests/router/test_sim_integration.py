@@ -245,3 +245,26 @@ def test_resync_after_drift() -> None:
             assert w0["prediction"]["resyncs"] == 1 and w0["events"]["snapshots"] >= 2
 
     asyncio.run(go())
+
+
+def test_in_process_zmq_subscription_and_engine_load() -> None:
+    """Without a bridge process: the router follows each engine's ZMQ socket itself (the
+    bridge's follower and converter in-process); engine load comes from /metrics."""
+
+    async def go() -> None:
+        async with sim_fleet(2, via="zmq") as r:
+            msgs = session_messages(5)
+            first = await r.chat(msgs)
+            second = await r.chat([*msgs, {"role": "user", "content": "and more"}])
+            assert second["_worker"] == first["_worker"]
+            assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+            assert r.parts.decisions.recent(1)[0].outcome == "exact"
+            status = r.parts.events.status("w0")
+            assert status is not None and status.state == "live" and status.snapshots >= 1
+            w0 = r.parts.registry.get("w0")
+            await until(lambda: w0 is not None and w0.load.engine is not None)
+            listing = (await r.client.get("/admin/workers", headers=r.admin())).json()
+            engine = listing["workers"][0]["load"]["engine"]
+            assert engine is not None and engine["kv_usage"] is not None
+
+    asyncio.run(go())

@@ -327,6 +327,53 @@ def decision_time(n_tokens: int, n_workers: int, iterations: int) -> dict[str, A
     return result
 
 
+def event_apply(blocks: int, batches: int) -> dict[str, Any]:
+    """What applying events on the router's event loop costs: live batches (one 8-block
+    STORE each) and one snapshot of `blocks` blocks (8K-token prompts, one group)."""
+    from proto import events_pb2
+    from router.fleet_index import FleetIndexView
+
+    op = events_pb2.KvGroupEvent
+    rng = random.Random(0)
+    index = FleetIndexView(16)
+    counter = 0
+
+    def store(n_blocks: int) -> Any:
+        nonlocal counter
+        hashes = []
+        for _ in range(n_blocks):
+            counter += 1
+            hashes.append(counter.to_bytes(8, "big"))
+        tokens = [rng.randrange(1, 100_000) for _ in range(16 * n_blocks)]
+        return op(operation=op.STORE, group_id=0, block_hashes=hashes, token_ids=tokens,
+                  block_size=16, kind="full_attention")  # fmt: skip
+
+    events = [store(512) for _ in range(max(1, blocks // 512))]
+    snap = events_pb2.Snapshot(sequence=1, has_sequence=True, events=events, stream_id="s")
+    t0 = time.perf_counter()
+    index.apply_snapshot("w0", snap)
+    snapshot_s = time.perf_counter() - t0
+    times = []
+    for seq in range(2, 2 + batches):
+        batch = events_pb2.KvEventBatch(sequence=seq, events=[store(8)])
+        t0 = time.perf_counter()
+        index.apply("w0", batch)
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    result = {
+        "snapshot_blocks": 512 * len(events),
+        "snapshot_s": snapshot_s,
+        "batch_median_us": statistics.median(times) * 1e6,
+        "batch_p99_us": times[int(0.99 * (len(times) - 1))] * 1e6,
+    }
+    print(
+        f"events on the loop: 8-block batch {result['batch_median_us']:.1f} us median, "
+        f"snapshot of {result['snapshot_blocks']} blocks {snapshot_s:.3f} s",
+        flush=True,
+    )
+    return result
+
+
 def to_markdown(result: dict[str, Any]) -> str:
     lines = [
         "# Router overhead",
@@ -361,6 +408,14 @@ def to_markdown(result: dict[str, Any]) -> str:
         f"| whole stream, median ms | {pc['direct']['total_median_ms']:.3f} | "
         f"{pc['router']['total_median_ms']:.3f} | {pc['added_total_median_ms']:.3f} |",
     ]
+    ev = result["events"]
+    lines += [
+        "",
+        f"Applying KV events on the router's event loop: one 8-block batch "
+        f"{ev['batch_median_us']:.1f} µs median (p99 {ev['batch_p99_us']:.1f} µs); one snapshot "
+        f"of {ev['snapshot_blocks']} blocks {ev['snapshot_s']:.3f} s (the loop is blocked for "
+        "that long: live batches stay on the loop, large snapshots are the cost to watch).",
+    ]
     d = result["decision"]
     lines += [
         "",
@@ -389,12 +444,14 @@ def main(argv: list[str] | None = None) -> int:
     proxy = proxy_overhead(total)
     paced = paced_streams(128 if args.smoke else 1280)
     decision = decision_time(4096, 32, 50) if args.smoke else decision_time(32768, 256, 300)
+    events = event_apply(8192 if args.smoke else 102_400, 200 if args.smoke else 2000)
     result = {
         "benchmark": "overhead",
         "smoke": args.smoke,
         "requests_per_cell": total,
         "proxy": proxy,
         "paced": paced,
+        "events": events,
         "decision": decision,
         "command": "python -m bench.router_overhead_bench" + (" --smoke" if args.smoke else ""),
         "cpus": os.cpu_count(),

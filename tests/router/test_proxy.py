@@ -478,3 +478,23 @@ def test_configured_model_without_workers_is_503_unknown_is_404() -> None:
             assert resp.status_code == 404
 
     run(go())
+
+
+def test_an_index_failure_routes_without_evidence() -> None:
+    from tests.router.fakes import ScriptedIndex
+
+    class Broken(ScriptedIndex):
+        def score(self, *a: Any, **k: Any) -> Any:
+            raise RuntimeError("index bug")
+
+        def expect(self, *a: Any, **k: Any) -> None:
+            raise RuntimeError("index bug")
+
+    async def go() -> None:
+        async with rig(2, index=Broken()) as r:
+            resp = await r.client.post("/v1/chat/completions", json=CHAT)
+            assert resp.status_code == 200
+            assert r.parts.decisions.recent(1)[0].decision.reason == "least_load"
+            assert metric(await metrics_text(r), "kvroute_errors_total", kind="index") == 2
+
+    run(go())

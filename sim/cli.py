@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import json
 import logging
 import os
 import signal
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from sim.cache_api import CacheBackend, CacheSpec
 from sim.engine.core import EngineConfig
@@ -71,13 +72,23 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="warning")
 
 
+PROTOCOL_METHODS = (
+    "add_request", "lookup", "split_chunk", "allocate", "advance", "append_token", "preempt",
+    "free", "begin_step", "end_schedule", "end_step", "reset", "usage", "per_group_hits",
+)  # fmt: skip
+
+
 def cache_factory(name: str) -> Callable[[CacheSpec], CacheBackend]:
     """The cache backend class for --cache-backend (ImportError if vLLM is missing)."""
     if name == "vllm":
-        from sim.vllm_backend import VllmCacheBackend  # type: ignore[import-not-found]
-
-        factory: Callable[[CacheSpec], CacheBackend] = VllmCacheBackend
-        return factory
+        cls = importlib.import_module("sim.vllm_backend").VllmCacheBackend
+        missing = [m for m in PROTOCOL_METHODS if not callable(getattr(cls, m, None))]
+        if missing:
+            raise ImportError(
+                f"sim.vllm_backend.VllmCacheBackend lacks {', '.join(missing)} "
+                "(see /work/notes/sim-cache-protocol.md)"
+            )
+        return cast(Callable[[CacheSpec], CacheBackend], cls)
     from sim.cache import SimCache
 
     return SimCache

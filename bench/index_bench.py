@@ -138,7 +138,9 @@ def place_request(
     n = len(engines)
     for w, frac in ((0, 0.9), (n // 2, 0.9), (n // 3, 0.5), (n - 1, 0.5)):
         cut = int(n_tokens * frac)
-        for b in engines[w].prompt(hot[:cut], start=shared):
+        # from token 0: with sliding-window groups the shared prefix alone is no hit, so
+        # vLLM computes (and stores) the whole prompt
+        for b in engines[w].prompt(hot[:cut]):
             fleet.apply(f"w{w}", b)
     cold = system + tokens(n_tokens - shared, seed + 99)
     return hot, cold

@@ -77,15 +77,16 @@ class Engine:
             span = toks[c0 * UNIT : c1 * UNIT]
             events = []
             for gid, (kind, bs, window) in enumerate(self.layout):
+                ends = [b for b in (junction, boundary) if b is not None]
                 if kind == "full_attention":
                     chosen = hashes[c0:c1]
-                else:
-                    keep = [b for b in (junction, boundary) if b is not None and c0 < b <= c1]
-                    if kind == "sliding_window":
-                        need = -(-(window - 1) // bs)
-                        chosen = [hashes[i] for b in keep for i in range(max(c0, b - need), b)]
-                    else:
-                        chosen = [hashes[b - 1] for b in keep]
+                elif kind == "sliding_window":  # the window's blocks before each boundary
+                    need = -(-(window - 1) // bs)
+                    chosen = [
+                        hashes[i] for i in range(c0, c1) if any(b - need <= i < b for b in ends)
+                    ]
+                else:  # Mamba: the state at each boundary
+                    chosen = [hashes[i] for i in range(c0, c1) if i + 1 in ends]
                 events.append(
                     pb.KvGroupEvent(
                         operation=pb.KvGroupEvent.STORE,

@@ -6,7 +6,7 @@ import dataclasses
 import heapq
 from collections.abc import Container, Iterator, Sequence
 from dataclasses import dataclass
-from itertools import compress
+from itertools import compress, repeat
 
 from indexer.feed import Feed
 from indexer.fleet_score import score_fast
@@ -209,7 +209,7 @@ class FleetIndex:
         plan = self._current_plan()
         result = self._template.copy()
         for tokens, bits in score_fast(plan, self._inv.slots, keys, n_tokens, self.hash_unit):
-            result.update(dict.fromkeys(self._select(bits), tokens))
+            result.update(zip(self._select(bits), repeat(tokens)))
         for index in plan.fallback:
             name = self._names[index]
             assert name is not None

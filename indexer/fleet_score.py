@@ -24,7 +24,6 @@ workers.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from functools import reduce
 from itertools import accumulate, compress, islice, repeat
 from operator import and_, ne
 
@@ -64,8 +63,12 @@ def coverage(
     while alive and pos < m:
         chunk_keys = keys[pos:m:step][:chunk]
         n = len(chunk_keys)
-        # most chunks lose nobody: one reduce tells, without building lists
-        if len(walk.slots) > 1 or reduce(and_, map(get, chunk_keys, repeat(0)), alive) != alive:
+        # most chunks lose nobody: the few distinct (interned) holder sets tell
+        survivors = alive
+        if len(walk.slots) == 1:
+            for holders in set(map(get, chunk_keys, repeat(0))):
+                survivors &= holders
+        if len(walk.slots) > 1 or survivors != alive:
             bits = lookup(slots, walk.slots, chunk_keys)
             acc = list(accumulate(bits, and_, initial=alive))
             for i in compress(range(n), map(ne, acc, islice(acc, 1, None))):
@@ -163,7 +166,31 @@ def full_bounds(
     return out
 
 
-def _accept(cls: SparseClass, bits: list[int], i: int, p: int, workers: int, unit: int) -> int:
+class _LazyBits:
+    """Holders per key index of one unit, looked up on first use (for windows, when the
+    candidates come from Mamba states and only a few windows are ever checked)."""
+
+    __slots__ = ("_cache", "_keys", "_slots", "_unit_slots")
+
+    def __init__(
+        self, slots: list[dict[int, int]], unit_slots: tuple[int, ...], keys: Sequence[int]
+    ) -> None:
+        self._slots = slots
+        self._unit_slots = unit_slots
+        self._keys = keys
+        self._cache: dict[int, int] = {}
+
+    def __getitem__(self, i: int) -> int:
+        bits = self._cache.get(i)
+        if bits is None:
+            bits = _bits(self._slots, self._unit_slots, self._keys[i])
+            self._cache[i] = bits
+        return bits
+
+
+def _accept(
+    cls: SparseClass, bits: list[int] | _LazyBits, i: int, p: int, workers: int, unit: int
+) -> int:
     """The workers of `cls` (among `workers`) whose unit accepts p = (i+1)*unit; `bits`
     are the unit's holders per key index."""
     block = cls.block_size
@@ -209,9 +236,20 @@ def score_fast(
         return answers
     top = min(len(keys), pending_events[0][0] // unit)
     window = keys[:top]
-    unit_bits: list[list[int]] = []
+    # Candidates: positions where a unit holds the request's key. When every sparse
+    # worker has a Mamba unit, its states alone are the candidates and windows are
+    # looked up lazily.
+    state_mask = 0
+    for cls in plan.sparse:
+        if cls.rule is Rule.STATE:
+            state_mask |= cls.mask
+    states_only = sparse & ~state_mask == 0
+    unit_bits: list[list[int] | _LazyBits] = []
     positions: set[int] = set()
     for cls in plan.sparse:
+        if states_only and cls.rule is Rule.WINDOW:
+            unit_bits.append(_LazyBits(slots, cls.slots, keys))
+            continue
         bits = lookup(slots, cls.slots, window)
         unit_bits.append(bits)
         positions.update(compress(range(top), bits))
@@ -235,12 +273,12 @@ def score_fast(
             if p % alignment == 0:
                 aligned |= mask
         x &= aligned
-        for cls, bits in classes:
+        for cls, holders in classes:
             if not x:
                 break
             mine = x & cls.mask
             if mine:
-                accepted = _accept(cls, bits, i, p, mine, unit)
+                accepted = _accept(cls, holders, i, p, mine, unit)
                 if accepted != mine:
                     x = (x & cls.notmask) | accepted
         if x:

@@ -1,26 +1,48 @@
 """The fleet's inverted index: content key -> which workers hold it, per group slot.
 
 One dict per group slot maps a content key to the workers whose group in that slot
-holds it, as an integer bitset (bit i = worker index i). A key held by a single worker
-(the common case for conversation tails) refers to that worker's own `1 << index`
-object, shared by all such entries, so a unique block costs no bitset allocation; only
-keys held by several workers get a bitset of their own. Copies beyond the first are
-counted on the side, per worker.
+holds it, as an integer bitset (bit i = worker index i). Bitsets are interned: every
+key held by the same set of workers refers to one shared int object (a worker's own
+`1 << index` for a single holder), so a block costs a dict entry and no bitset of its
+own, and scoring reads a few hot objects instead of one per key. Copies beyond the
+first are counted on the side, per worker.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable
+
+_PRUNE_FLOOR = 4096
 
 
 class InvertedIndex:
     """Per-slot dicts shared by all workers, and each worker's shared bit object."""
 
-    __slots__ = ("bits", "slots")
+    __slots__ = ("_interned", "_prune_at", "bits", "slots")
 
     def __init__(self) -> None:
         self.slots: list[dict[int, int]] = []
         self.bits: list[int] = []  # 1 << index, one object per worker index
+        self._interned: dict[int, int] = {}  # multi-holder bitsets in use
+        self._prune_at = _PRUNE_FLOOR
+
+    def intern(self, bits: int) -> int:
+        """The shared object for this set of workers."""
+        if bits & (bits - 1) == 0:
+            return self.bits[bits.bit_length() - 1]
+        shared = self._interned.setdefault(bits, bits)
+        if len(self._interned) > self._prune_at:
+            self._prune()
+        return shared
+
+    def _prune(self) -> None:
+        """Forget bitsets no entry refers to any more (only this table holds them:
+        as key and value, plus getrefcount's own argument)."""
+        table = self._interned
+        for bits in [b for b, v in table.items() if sys.getrefcount(v) <= 3]:
+            del table[bits]
+        self._prune_at = max(_PRUNE_FLOOR, 2 * len(table))
 
     def ensure_slot(self, slot: int) -> None:
         while len(self.slots) <= slot:
@@ -63,17 +85,15 @@ class WorkerSink:
             self._extra[slot, key] = self._extra.get((slot, key), 1) + 1
             return
         else:
-            d[key] = v | self._bit
+            d[key] = self._inv.intern(v | self._bit)
         self._present[slot] += 1
 
     def _unset(self, d: dict[int, int], key: int, v: int) -> None:
         v ^= self._bit
-        if not v:
-            del d[key]
-        elif v & (v - 1) == 0:  # a single holder left: refer to its shared object
-            d[key] = self._inv.bits[v.bit_length() - 1]
+        if v:
+            d[key] = self._inv.intern(v)
         else:
-            d[key] = v
+            del d[key]
 
     def discard(self, slot: int, key: int) -> bool:
         d = self._inv.slots[slot]

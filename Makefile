@@ -13,7 +13,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev]' --config-settings editable_mode=compat
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -25,7 +25,7 @@ $(VLLM_STAMP): tests/conformance/requirements-vllm.txt
 	$(VLLM_VENV)/bin/pip install -q vllm==0.33.0 --no-deps
 	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
 	$(VLLM_VENV)/bin/pip install -q -r tests/conformance/requirements-vllm.txt
-	$(VLLM_VENV)/bin/pip install -q --no-deps xgrammar==0.2.9 apache-tvm-ffi
+	$(VLLM_VENV)/bin/pip install -q --no-deps xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
 	touch $(VLLM_STAMP)
 
 vllm-env: $(VLLM_STAMP)

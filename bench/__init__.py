@@ -1,1 +1,1 @@
-"""Benchmarks (each with a --smoke mode; results in bench/results/)."""
+"""Workloads, load generation and benchmarks for kvroute (see bench/README.md)."""

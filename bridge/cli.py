@@ -1,0 +1,113 @@
+"""`kvroute bridge`: follow a vLLM engine's KV events and serve them to routers over gRPC."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+
+from bridge.app import Bridge, BridgeConfig
+from bridge.discovery import ranked_endpoints
+from bridge.follower import DEFAULT_REPLAY_TIMEOUT
+from bridge.state import DEFAULT_MAX_BLOCKS
+from bridge.stream import DEFAULT_QUEUE_SIZE, DEFAULT_RING_BATCHES, StreamLimits
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvroute bridge",
+        description="Follow a vLLM engine's KV-cache events (ZMQ) and serve them over gRPC.",
+    )
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--engine", help="the engine's PUB endpoint, e.g. tcp://HOST:5557")
+    source.add_argument(
+        "--discover",
+        metavar="URL",
+        help="the engine's HTTP base URL; endpoints come from GET /kv_event_sources (vLLM 0.28+)",
+    )
+    parser.add_argument(
+        "--replay", help="the engine's replay ROUTER endpoint, e.g. tcp://HOST:5558"
+    )
+    parser.add_argument("--topic", default="", help="the engine's topic (a prefix filter)")
+    parser.add_argument(
+        "--dp-ranks",
+        type=int,
+        default=1,
+        help="data-parallel ranks to follow; rank r uses port + r (vLLM's rule)",
+    )
+    parser.add_argument("--listen", default="127.0.0.1:50051", help="gRPC HOST:PORT")
+    parser.add_argument("--http", help="HOST:PORT for /metrics, /health and /ready")
+    parser.add_argument(
+        "--max-blocks",
+        type=int,
+        default=DEFAULT_MAX_BLOCKS,
+        help="bound on cached blocks kept per rank for snapshots (oldest dropped beyond it)",
+    )
+    parser.add_argument(
+        "--queue-size",
+        type=int,
+        default=DEFAULT_QUEUE_SIZE,
+        help="messages queued per subscriber before it is resynchronised with a snapshot",
+    )
+    parser.add_argument(
+        "--ring-batches",
+        type=int,
+        default=DEFAULT_RING_BATCHES,
+        help="recent batches kept so that reconnecting subscribers can resume",
+    )
+    parser.add_argument("--replay-timeout", type=float, default=DEFAULT_REPLAY_TIMEOUT)
+    parser.add_argument("--log-level", default="INFO")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> BridgeConfig:
+    if args.dp_ranks < 1:
+        raise ValueError("--dp-ranks must be at least 1")
+    engines = (
+        tuple(ranked_endpoints(args.engine, args.replay, args.topic, args.dp_ranks))
+        if args.engine
+        else ()
+    )
+    return BridgeConfig(
+        engines=engines,
+        discover_url=args.discover,
+        listen=args.listen,
+        http=args.http,
+        max_blocks=args.max_blocks,
+        limits=StreamLimits(queue_size=args.queue_size, ring_batches=args.ring_batches),
+        replay_timeout=args.replay_timeout,
+    )
+
+
+async def serve(config: BridgeConfig) -> None:
+    """Run a bridge until SIGTERM or SIGINT, then shut it down cleanly."""
+    bridge = Bridge(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await bridge.start()
+    print(
+        f"kvroute bridge: gRPC on port {bridge.grpc_port}"
+        + (f", HTTP on port {bridge.http_port}" if config.http else ""),
+        flush=True,
+    )
+    try:
+        await stop.wait()
+    finally:
+        await bridge.stop()
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        print(f"kvroute bridge: {exc}")
+        return 2
+    asyncio.run(serve(config))
+    return 0

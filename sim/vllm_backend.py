@@ -20,9 +20,9 @@ import itertools
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from types import SimpleNamespace
+from types import MappingProxyType, SimpleNamespace
 from typing import Any
 
 import msgspec
@@ -354,6 +354,11 @@ class VllmCacheBackend:
 
     def request(self, request_id: str) -> Request:
         return self._requests[request_id]
+
+    @property
+    def requests(self) -> Mapping[str, Request]:
+        """The live vLLM requests by id (read-only view, for traces and tests)."""
+        return MappingProxyType(self._requests)
 
     def native_hit(
         self,

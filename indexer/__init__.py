@@ -4,11 +4,13 @@ reuse there, with vLLM's own rules for full-attention, sliding-window and Mamba 
 Pure: no I/O, no clock, no threads.
 """
 
+from indexer.fleet import FleetIndex
 from indexer.group_cache import GroupCache
 from indexer.keys import Namespace, content_keys
 from indexer.results import GroupScore, WorkerScore, WorkerStats
 
 __all__ = [
+    "FleetIndex",
     "GroupCache",
     "GroupScore",
     "Namespace",

@@ -331,8 +331,11 @@ class Lineage:
                         keys = chain_keys(rest, base.tokens // unit, base.seed, unit)
                     if self._resolve(h, keys[offset * step - 1], base.namespace):
                         self._cascade(h)
-                elif self._resolve_unmatchable(h, base.tokens + offset * bs):
-                    self._cascade(h)
+                else:
+                    if self._resolve_unmatchable(h, base.tokens + offset * bs):
+                        self._cascade(h)
+                    if h in self._res:  # h is matchable by another report: chain from it
+                        base, base_j, keys = self._base(h, lora, salt, unmatchable), j + 1, None
             self._add_copy(slot, h)
             prev = h
 

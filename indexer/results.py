@@ -47,4 +47,5 @@ class WorkerStats:
     invalid: int = 0  # INVALID events (each discarded the view)
     malformed: int = 0  # events the indexer could not interpret (each discarded the view)
     snapshots: int = 0  # snapshots applied
+    expectations: int = 0  # live speculative expectations (FleetIndex)
     reason: str = ""  # why `valid` is False

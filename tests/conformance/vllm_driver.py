@@ -77,6 +77,7 @@ class WireCapture:
         self.sub = self.ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.RCVHWM, 0)
         self.sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
+        self.topic = topic
         if transport == "tcp":
             port = self.sub.bind_to_random_port("tcp://127.0.0.1")
             endpoint = f"tcp://127.0.0.1:{port}"
@@ -276,7 +277,81 @@ class Recorder:
         return list(tokens) + out
 
 
-def run_workload(rec: Recorder, w: Workload) -> None:
+class FleetLoop:
+    """Several workers behind one submit/step interface: each request goes to `replicas`
+    workers chosen at random (like a router spreading load), and all workers step together."""
+
+    def __init__(self, loops: dict[str, SchedulerLoop], rng: random.Random, replicas: int):
+        self.loops = loops
+        self.rng = rng
+        self.replicas = replicas
+
+    @property
+    def idle(self) -> bool:
+        return all(loop.idle for loop in self.loops.values())
+
+    def submit(
+        self,
+        tokens: list[int],
+        outputs: list[int],
+        namespace: Namespace | None = None,
+        *,
+        on_finish: Callable[[Any], None] | None = None,
+    ) -> None:
+        fired: list[bool] = []
+
+        def once(request: Any) -> None:
+            if not fired and on_finish is not None:
+                fired.append(True)
+                on_finish(request)
+
+        for worker in self.rng.sample(sorted(self.loops), self.replicas):
+            self.loops[worker].submit(tokens, outputs, namespace, on_finish=once)
+
+    def step(self) -> bool:
+        progressed = False
+        for name, loop in self.loops.items():
+            if not loop.idle:
+                if not loop.step():
+                    raise RuntimeError(f"worker {name} cannot make progress")
+                progressed = True
+        return progressed
+
+    def reset_prefix_cache(self) -> None:
+        for loop in self.loops.values():
+            loop.reset_prefix_cache()
+
+
+@dataclass
+class FleetRecorder:
+    """Runs one fleet: a backend and a captured publisher per worker, probes to all of them."""
+
+    name: str
+    loop: FleetLoop
+    captures: dict[str, WireCapture]
+    rng: random.Random
+    probes: list[dict[str, Any]] = field(default_factory=list)
+
+    def probe(self, tokens: list[int], namespace: Namespace | None = None, label: str = "") -> None:
+        ns = namespace or Namespace()
+        answers = {w: loop.backend.native_hit(tokens, ns) for w, loop in self.loop.loops.items()}
+        self.probes.append(
+            {
+                "after": {w: c.published for w, c in self.captures.items()},
+                "tokens": list(tokens),
+                "lora_name": ns.lora_name,
+                "cache_salt": ns.cache_salt,
+                "hits": {w: a.hit for w, a in answers.items()},
+                "per_group": {w: list(a.per_group) for w, a in answers.items()},
+                "label": label,
+            }
+        )
+
+    def tokens(self, n: int) -> list[int]:
+        return [self.rng.randrange(1, 32000) for _ in range(n)]
+
+
+def run_workload(rec: Recorder | FleetRecorder, w: Workload) -> None:
     rng, loop = rec.rng, rec.loop
     prefixes = [rec.tokens(rng.randint(*w.prefix_len)) for _ in range(w.prefixes)]
     finished: list[tuple[Namespace, list[int], list[int]]] = []  # (ns, prompt, full history)
@@ -357,7 +432,7 @@ def run_workload(rec: Recorder, w: Workload) -> None:
         if loop.idle:
             continue
         if not loop.step():
-            raise RuntimeError(f"{rec.scenario.name}: the workload does not fit the pool")
+            raise RuntimeError("the workload does not fit the pool")
         steps += 1
         if steps % w.probe_every == 0:
             probe_point()
@@ -696,6 +771,87 @@ def scenarios() -> list[Scenario]:
 # ---- running ----------------------------------------------------------------------------------
 
 
+@dataclass
+class Fleet:
+    name: str
+    about: str
+    workers: dict[str, BackendConfig]
+    workload: Workload
+    replicas: int = 2
+    seed: int = 0
+
+
+def fleets() -> list[Fleet]:
+    return [
+        Fleet(
+            "fleet_rolling_upgrade",
+            "five workers with different layouts (a rolling upgrade, several models), each "
+            "request sent to two of them",
+            {
+                "dense": BackendConfig((G(FA, 16),), num_blocks=64),
+                "hybrid": BackendConfig(HYBRID, num_blocks=72),
+                "hybrid-dense": BackendConfig(HYBRID, num_blocks=72, retention_interval=None),
+                "mamba64": BackendConfig((G(FA, 16), G(SW, 16, 32), G(MB, 64)), num_blocks=96),
+                "mixed32": BackendConfig(
+                    (G(FA, 32), G(SW, 32, 128), G(MB, 64)),
+                    num_blocks=72,
+                    max_num_scheduled_tokens=192,
+                ),
+            },
+            Workload(requests=50, concurrency=4, namespaces=NS_MIX, reset_probability=0.05),
+            replicas=2,
+            seed=21,
+        ),
+        Fleet(
+            "fleet_same_model",
+            "four replicas of one hybrid model, each request sent to one of them",
+            {f"replica-{i}": BackendConfig(HYBRID, num_blocks=64) for i in range(4)},
+            Workload(requests=50, concurrency=4, prefixes=3),
+            replicas=1,
+            seed=22,
+        ),
+    ]
+
+
+def run_fleet(fleet: Fleet) -> dict[str, Any]:
+    started = time.monotonic()
+    captures = {w: WireCapture(f"{fleet.name}-{w}", "inproc", f"kv@{w}", 0) for w in fleet.workers}
+    try:
+        tick = iter(range(1 << 40))
+        loops = {
+            w: SchedulerLoop(
+                VllmCacheBackend(config),
+                clock=lambda: 1_700_000_000.0 + next(tick) / 1000,
+                publish=captures[w].publish,
+            )
+            for w, config in fleet.workers.items()
+        }
+        rng = random.Random(fleet.seed)
+        rec = FleetRecorder(fleet.name, FleetLoop(loops, rng, fleet.replicas), captures, rng)
+        run_workload(rec, fleet.workload)
+        for capture in captures.values():
+            capture.wait_all()
+    finally:
+        for capture in captures.values():
+            capture.close()
+    return {
+        "name": fleet.name,
+        "about": fleet.about,
+        "workers": {
+            w: {
+                "config": describe(loops[w].backend.spec),
+                "alignment": loops[w].backend.alignment,
+                "topic": captures[w].topic,
+                "frames": captures[w].frames,
+                "stats": {"batches": loops[w].stats.batches, "events": loops[w].stats.events},
+            }
+            for w in fleet.workers
+        },
+        "probes": rec.probes,
+        "seconds": round(time.monotonic() - started, 3),
+    }
+
+
 @contextlib.contextmanager
 def _int_hash_mode(enabled: bool) -> Iterator[None]:
     key = "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"
@@ -809,7 +965,17 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         results.append(result)
-    data = {"vllm_version": vllm.__version__, "scenarios": results}
+    fleet_results = []
+    for fleet in fleets():
+        if args.only is None or fleet.name in args.only:
+            result = run_fleet(fleet)
+            print(
+                f"{fleet.name}: {len(result['probes'])} probes over {len(fleet.workers)} "
+                f"workers, {result['seconds']} s",
+                file=sys.stderr,
+            )
+            fleet_results.append(result)
+    data = {"vllm_version": vllm.__version__, "scenarios": results, "fleets": fleet_results}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     tmp = args.out.with_suffix(".tmp")
     tmp.write_bytes(msgspec.msgpack.encode(data))

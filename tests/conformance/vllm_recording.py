@@ -126,3 +126,7 @@ def converted(sc: dict[str, Any], stats: ConvertStats | None = None) -> Iterator
     for _topic, seq_frame, payload in sc["frames"]:
         yield convert_batch(decoder.decode(payload), int.from_bytes(seq_frame, "big"), stats=stats)
     assert decoder.unknown_field_batches == 0, decoder.unknown_field_names
+
+
+# The driver's fleets (several workers recorded together), in its order.
+FLEETS = ["fleet_rolling_upgrade", "fleet_same_model"]

@@ -121,6 +121,8 @@ class EngineFollower:
             while True:
                 frames = await sub.recv_multipart()
                 await self.on_live(frames)
+                # A ready message completes without suspending: let subscribers' writers run.
+                await asyncio.sleep(0)
         finally:
             watcher.cancel()
             sub.disable_monitor()

@@ -1,0 +1,432 @@
+"""The bridge end to end on loopback: fake engine (ZMQ PUB + ROUTER) -> bridge -> gRPC."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import httpx
+import pytest
+import zmq
+import zmq.asyncio
+from bridge_testkit import CLEAR, STORE, FakeEngine, Recorder, View, be, eventually, store
+
+from bridge import vllm_schema as s
+from bridge.app import Bridge, BridgeConfig
+from bridge.client import ResumePoint
+from bridge.follower import EngineEndpoints
+from bridge.stream import StreamLimits
+
+TOKENS = list(range(1000, 1064))
+
+
+def run(coro: Callable[[], Awaitable[None]]) -> None:
+    asyncio.run(asyncio.wait_for(coro(), 60))
+
+
+async def start_bridge(*engines: EngineEndpoints, **config: Any) -> Bridge:
+    config.setdefault("replay_timeout", 1.0)
+    bridge = Bridge(
+        BridgeConfig(engines=engines, listen="127.0.0.1:0", http="127.0.0.1:0", **config)
+    )
+    await bridge.start()
+    return bridge
+
+
+async def connected(bridge: Bridge) -> None:
+    await eventually(lambda: bridge.ready)
+    await asyncio.sleep(0.3)  # let the SUB subscription reach the PUB socket
+
+
+def metric(bridge: Bridge, name: str, **labels: str) -> float:
+    value = bridge.metrics.registry.get_sample_value(name, {"dp_rank": "0", **labels})
+    return value or 0.0
+
+
+def test_live_stream_and_late_subscriber() -> None:
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        engine = FakeEngine(ctx)
+        bridge = await start_bridge(engine.endpoints())
+        target = f"127.0.0.1:{bridge.grpc_port}"
+        early = Recorder(target)
+        await early.wait_for(lambda: len(early.snapshots()) == 1)
+        assert early.snapshots()[0].reason == "initial" and not early.snapshots()[0].events
+        await connected(bridge)
+        await engine.publish([store([1, 2, 3, 4], None, TOKENS)])
+        await engine.publish([s.BlockRemoved([4], group_idx=0), store([5], 3, TOKENS[48:])])
+        await engine.publish(
+            [
+                store(
+                    [11, 12],
+                    None,
+                    TOKENS[:32],
+                    group_idx=1,
+                    kv_cache_spec_kind="sliding_window",
+                    kv_cache_spec_sliding_window=32,
+                )
+            ]
+        )
+        await early.wait_for(lambda: len(early.batches()) == 3)
+        assert [b.sequence for b in early.batches()] == [0, 1, 2]
+        first = early.batches()[0].events[0]
+        assert first.operation == STORE and list(first.block_hashes) == [
+            be(i) for i in (1, 2, 3, 4)
+        ]
+        assert list(first.token_ids) == TOKENS and first.kind == "full_attention"
+        late = Recorder(target)
+        await late.wait_for(lambda: len(late.messages) == 1)
+        (snap,) = late.snapshots()
+        assert snap.reason == "initial" and snap.has_sequence and snap.sequence == 2
+        assert late.view.counts == early.view.counts and len(early.view.counts) == 6
+        await engine.publish([s.AllBlocksCleared()])
+        await late.wait_for(lambda: len(late.batches()) == 1)
+        assert late.batches()[0].events[0].operation == CLEAR and not late.view.counts
+        async with httpx.AsyncClient() as http:
+            health = (await http.get(f"http://127.0.0.1:{bridge.http_port}/health")).json()
+            text = (await http.get(f"http://127.0.0.1:{bridge.http_port}/metrics")).text
+            ready = await http.get(f"http://127.0.0.1:{bridge.http_port}/ready")
+        assert health["ready"] and health["ranks"]["0"]["last_sequence"] == 3
+        assert health["ranks"]["0"]["subscribers"] == 2 and ready.status_code == 200
+        assert 'kvroute_bridge_batches_total{dp_rank="0"} 4.0' in text
+        assert 'kvroute_bridge_events_total{dp_rank="0",kind="store"} 3.0' in text
+        assert "kvroute_bridge_lag_seconds_bucket" in text and "kvroute_bridge_subscribers" in text
+        await early.close()
+        await late.close()
+        await bridge.stop()
+        await engine.close()
+        ctx.destroy(linger=0)
+
+    run(main)
+
+
+@pytest.mark.parametrize("version", ["0.23", "0.33"])  # pre-0.26 and 0.26+ replay layouts
+def test_gap_recovered_by_replay(version: str) -> None:
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        engine = FakeEngine(ctx, version=version)
+        bridge = await start_bridge(engine.endpoints())
+        rec = Recorder(f"127.0.0.1:{bridge.grpc_port}")
+        await connected(bridge)
+        await engine.publish([store([1], None, TOKENS[:16])])
+        await engine.publish([store([2], 1, TOKENS[16:32])], drop=True)
+        await engine.publish([store([3], 2, TOKENS[32:48])], drop=True)
+        await engine.publish([store([4], 3, TOKENS[48:64])])
+        await rec.wait_for(lambda: len(rec.batches()) == 4)
+        assert [b.sequence for b in rec.batches()] == [0, 1, 2, 3]
+        assert len(rec.snapshots()) == 1  # only the initial one: no reset
+        assert engine.replay_requests == [1]
+        assert metric(bridge, "kvroute_bridge_gaps_total") == 1
+        assert metric(bridge, "kvroute_bridge_replays_total", outcome="recovered") == 1
+        assert len(rec.view.counts) == 4
+        await rec.close()
+        await bridge.stop()
+        await engine.close()
+        ctx.destroy(linger=0)
+
+    run(main)
+
+
+def test_unrecoverable_gap_resets_view() -> None:
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        engine = FakeEngine(ctx, buffer_steps=2)
+        bridge = await start_bridge(engine.endpoints())
+        rec = Recorder(f"127.0.0.1:{bridge.grpc_port}")
+        await connected(bridge)
+        await engine.publish([store([1], None, TOKENS[:16])])
+        for i in range(4):  # seqs 1-4 lost; the engine keeps only 3 and 4
+            await engine.publish([store([10 + i], None, TOKENS[:16])], drop=True)
+        await engine.publish([store([20], None, TOKENS[:16])])
+        await rec.wait_for(lambda: rec.position.sequence == 5)
+        first_id = rec.snapshots()[0].stream_id
+        reset = rec.snapshots()[-1]
+        assert reset.reason == "gap" and reset.stream_id != first_id and not reset.events
+        assert [b.sequence for b in rec.batches()][-2:] == [4, 5]  # 4 and 5 were buffered
+        assert set(rec.view.counts) == {(0, be(13)), (0, be(20))}
+        assert metric(bridge, "kvroute_bridge_replays_total", outcome="unrecoverable") == 1
+        assert metric(bridge, "kvroute_bridge_resets_total", reason="gap") == 1
+        await rec.close()
+        await bridge.stop()
+        await engine.close()
+        ctx.destroy(linger=0)
+
+    run(main)
+
+
+def test_gap_without_replay_endpoint_resets() -> None:
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        engine = FakeEngine(ctx, replay=False)
+        bridge = await start_bridge(engine.endpoints())
+        rec = Recorder(f"127.0.0.1:{bridge.grpc_port}")
+        await connected(bridge)
+        await engine.publish([store([1], None, TOKENS[:16])])
+        await engine.publish([store([2], None, TOKENS[:16])], drop=True)
+        await engine.publish([store([3], None, TOKENS[:16])])
+        await rec.wait_for(lambda: rec.position.sequence == 2)
+        assert rec.snapshots()[-1].reason == "gap" and rec.snapshots()[-1].sequence == 1
+        assert set(rec.view.counts) == {(0, be(3))}
+        assert metric(bridge, "kvroute_bridge_replays_total", outcome="unavailable") == 1
+        await rec.close()
+        await bridge.stop()
+        await engine.close()
+        ctx.destroy(linger=0)
+
+    run(main)
+
+
+def test_engine_restart_resets_view() -> None:
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        engine = FakeEngine(ctx)
+        bridge = await start_bridge(engine.endpoints())
+        rec = Recorder(f"127.0.0.1:{bridge.grpc_port}")
+        await connected(bridge)
+        for i in range(3):
+            await engine.publish([store([i + 1], None, TOKENS[:16])])
+        await rec.wait_for(lambda: rec.position.sequence == 2)
+        old_id = rec.position.stream_id
+        ports = engine.pub_port, engine.replay_port
+        await engine.close()
+        await eventually(lambda: not bridge.ready)
+        engine = FakeEngine(ctx, pub_port=ports[0], replay_port=ports[1])
+        await connected(bridge)
+        await engine.publish([store([100], None, TOKENS[:16])])
+        await rec.wait_for(lambda: (0, be(100)) in rec.view.counts)
+        assert rec.position.stream_id != old_id
+        assert set(rec.view.counts) == {(0, be(100))}
+        assert rec.snapshots()[-1].reason in ("reconnect", "restart")
+        await rec.close()
+        await bridge.stop()
+        await engine.close()
+        ctx.destroy(linger=0)
+
+    run(main)
+
+
+def test_seq_going_back_is_a_restart() -> None:
+    # Drive the follower directly: a new engine whose first messages arrive with no
+    # disconnect seen (e.g. behind a proxy) must still reset the view.
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        engine = FakeEngine(ctx, replay=False)
+        bridge = await start_bridge(engine.endpoints())
+        follower = bridge.followers[0]
+        for seq in range(3):
+            payload = s.encode_batch(1.0, [store([seq + 1], None, TOKENS[:16])], 0, "0.33")
+            await follower.on_live(s.live_frames("kv", seq, payload))
+        payload = s.encode_batch(1.0, [store([50], None, TOKENS[:16])], 0, "0.33")
+        await follower.on_live(s.live_frames("kv", 0, payload))
+        state = bridge.streams[0].state
+        assert state.blocks == 1 and state.copies(0, be(50)) == 1 and state.last_sequence == 0
+        assert metric(bridge, "kvroute_bridge_resets_total", reason="restart") == 1
+        await bridge.stop()
+        await engine.close()
+        ctx.destroy(linger=0)
+
+    run(main)
+
+
+def test_bridge_joins_running_engine_through_replay() -> None:
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        engine = FakeEngine(ctx)
+        for i in range(5):  # published before the bridge existed
+            await engine.publish([store([i + 1], i or None, TOKENS[:16])])
+        bridge = await start_bridge(engine.endpoints())
+        rec = Recorder(f"127.0.0.1:{bridge.grpc_port}")
+        await connected(bridge)
+        await engine.publish([store([6], 5, TOKENS[:16])])
+        await rec.wait_for(lambda: rec.position.sequence == 5)
+        assert engine.replay_requests == [0] and len(rec.view.counts) == 6
+        await rec.close()
+        await bridge.stop()
+        await engine.close()
+        ctx.destroy(linger=0)
+
+    run(main)
+
+
+def test_malformed_messages_reset_and_are_counted() -> None:
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        engine = FakeEngine(ctx, replay=False)
+        bridge = await start_bridge(engine.endpoints())
+        rec = Recorder(f"127.0.0.1:{bridge.grpc_port}")
+        await connected(bridge)
+        good = s.encode_batch(1.0, [store([1], None, TOKENS[:16])], 0, "0.33")
+        wrong_types = s.encode_batch(1.0, [], 0, "0.33").replace(b"\x00", b"\xc3")
+        bad = [
+            [b"kv", s.seq_frame(1)],  # wrong frame count
+            [b"kv", b"\x00\x01", good],  # short seq frame
+            [b"kv", s.seq_frame(1), b"\xc1garbage"],  # undecodable payload
+            [b"kv", s.seq_frame(2), wrong_types],  # wrong types (dp rank is a bool)
+        ]
+        await engine.send_raw(s.live_frames("kv", 0, good))
+        for frames in bad:
+            await engine.send_raw(frames)
+        await engine.send_raw(s.live_frames("kv", 3, good))
+        await rec.wait_for(lambda: rec.position.sequence == 3)
+        assert metric(bridge, "kvroute_bridge_malformed_frames_total", problem="frames") == 1
+        assert metric(bridge, "kvroute_bridge_malformed_frames_total", problem="seq") == 1
+        assert metric(bridge, "kvroute_bridge_malformed_frames_total", problem="payload") == 2
+        assert metric(bridge, "kvroute_bridge_resets_total", reason="malformed") == 4
+        assert [snap.reason for snap in rec.snapshots()][-1] == "malformed"
+        assert set(rec.view.counts) == {(0, be(1))}  # only the last good batch survives
+        assert bridge.streams[0].state.last_sequence == 3
+        await rec.close()
+        await bridge.stop()
+        await engine.close()
+        ctx.destroy(linger=0)
+
+    run(main)
+
+
+def test_engine_never_started_is_healthy_but_not_ready() -> None:
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        probe = ctx.socket(zmq.PUB)
+        port = probe.bind_to_random_port("tcp://127.0.0.1")
+        probe.close(linger=0)  # a free port nobody listens on
+        await asyncio.sleep(0.1)
+        endpoints = EngineEndpoints(0, f"tcp://127.0.0.1:{port}", None, "kv")
+        bridge = await start_bridge(endpoints)
+        rec = Recorder(f"127.0.0.1:{bridge.grpc_port}")
+        await rec.wait_for(lambda: len(rec.snapshots()) == 1)
+        async with httpx.AsyncClient() as http:
+            base = f"http://127.0.0.1:{bridge.http_port}"
+            await asyncio.sleep(0.5)
+            health = await http.get(f"{base}/health")
+            assert health.status_code == 200 and health.json()["ready"] is False
+            assert (await http.get(f"{base}/ready")).status_code == 503
+            engine = FakeEngine(ctx, replay=False, pub_port=port)  # the engine comes up late
+            await connected(bridge)
+            assert (await http.get(f"{base}/ready")).status_code == 200
+        await engine.publish([store([7], None, TOKENS[:16])])
+        await rec.wait_for(lambda: (0, be(7)) in rec.view.counts)
+        await rec.close()
+        await bridge.stop()
+        await engine.close()
+        ctx.destroy(linger=0)
+
+    run(main)
+
+
+def test_slow_subscriber_is_resynchronised_without_blocking_others() -> None:
+    async def main() -> None:
+        import grpc.aio
+
+        from proto.events_pb2 import SubscribeRequest, SubscribeResponse
+
+        ctx = zmq.asyncio.Context()
+        engine = FakeEngine(ctx, replay=False)
+        bridge = await start_bridge(engine.endpoints(), limits=StreamLimits(queue_size=16))
+        target = f"127.0.0.1:{bridge.grpc_port}"
+        fast = Recorder(target)
+        # A small fixed flow-control window, so that not reading stalls the stream quickly.
+        channel = grpc.aio.insecure_channel(target, options=[("grpc.http2.bdp_probe", 0)])
+        method = channel.unary_stream(
+            "/kvroute.v1.KvEvents/Subscribe",
+            request_serializer=SubscribeRequest.SerializeToString,
+            response_deserializer=SubscribeResponse.FromString,
+        )
+        slow = method(SubscribeRequest())  # not read until the end
+        await connected(bridge)
+        big = list(range(16 * 512))
+        count = 60
+        for i in range(count):
+            hashes = [i * 1000 + j for j in range(512)]
+            await engine.publish([store(hashes, None, big)])
+        await fast.wait_for(lambda: fast.position.sequence == count - 1, timeout=30)
+        assert len(fast.snapshots()) == 1  # never resynchronised
+        assert metric(bridge, "kvroute_bridge_lagging_subscribers_total") >= 1
+        view, reasons = View(), []
+        async for message in slow:
+            if message.HasField("snapshot"):
+                reasons.append(message.snapshot.reason)
+                view.replace(message.snapshot.events)
+                last = message.snapshot.sequence
+            else:
+                view.apply(message.batch.events)
+                last = message.batch.sequence
+            if last == count - 1:
+                break
+        assert "lagging" in reasons and view.counts == fast.view.counts
+        slow.cancel()
+        await channel.close()
+        await fast.close()
+        await bridge.stop()
+        await engine.close()
+        ctx.destroy(linger=0)
+
+    run(main)
+
+
+def test_resume_same_bridge_and_snapshot_after_bridge_restart() -> None:
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        engine = FakeEngine(ctx)
+        bridge = await start_bridge(engine.endpoints())
+        target = f"127.0.0.1:{bridge.grpc_port}"
+        rec = Recorder(target)
+        await connected(bridge)
+        await engine.publish([store([1], None, TOKENS[:16])])
+        await rec.wait_for(lambda: rec.position.sequence == 0)
+        await rec.close()
+        await engine.publish([store([2], 1, TOKENS[16:32])])
+        await engine.publish([store([3], 2, TOKENS[32:48])])
+        position = ResumePoint(rec.position.stream_id, rec.position.sequence)
+        resumed = Recorder(target, position=position)
+        await resumed.wait_for(lambda: resumed.position.sequence == 2)
+        assert not resumed.snapshots()  # only the two missed batches
+        assert [b.sequence for b in resumed.batches()] == [1, 2]
+        await resumed.close()
+        assert metric(bridge, "kvroute_bridge_resumes_total") == 1
+        # A new bridge process: the stream id changed, so the subscriber gets a snapshot.
+        await bridge.stop()
+        bridge2 = await start_bridge(engine.endpoints())
+        after = Recorder(f"127.0.0.1:{bridge2.grpc_port}", position=resumed.position)
+        await after.wait_for(lambda: len(after.snapshots()) == 1)
+        assert after.snapshots()[0].reason == "resume_unavailable"
+        await connected(bridge2)
+        await engine.publish([store([4], 3, TOKENS[48:64])])
+        # bridge2 joined through replay from 0: the whole history, then the new batch
+        await after.wait_for(lambda: after.position.sequence == 3)
+        assert len(after.view.counts) == 4
+        await after.close()
+        await bridge2.stop()
+        await engine.close()
+        ctx.destroy(linger=0)
+
+    run(main)
+
+
+def test_data_parallel_ranks_are_separate_streams() -> None:
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        engines = [FakeEngine(ctx, dp_rank=r) for r in (0, 1)]
+        bridge = await start_bridge(*(e.endpoints() for e in engines))
+        target = f"127.0.0.1:{bridge.grpc_port}"
+        recs = [Recorder(target, dp_rank=r) for r in (0, 1)]
+        await connected(bridge)
+        await engines[0].publish([store([1], None, TOKENS[:16])])
+        await engines[1].publish([store([2], None, TOKENS[:16])])
+        await engines[1].publish([store([3], 2, TOKENS[16:32])])
+        await recs[0].wait_for(lambda: recs[0].position.sequence == 0)
+        await recs[1].wait_for(lambda: recs[1].position.sequence == 1)
+        assert set(recs[0].view.counts) == {(0, be(1))}
+        assert set(recs[1].view.counts) == {(0, be(2)), (0, be(3))}
+        assert (
+            recs[1].batches()[0].dp_rank == 1
+            and recs[0].position.stream_id != recs[1].position.stream_id
+        )
+        for rec in recs:
+            await rec.close()
+        await bridge.stop()
+        for e in engines:
+            await e.close()
+        ctx.destroy(linger=0)
+
+    run(main)

@@ -29,6 +29,12 @@ from proto.events_pb2 import KvEventBatch
 REPO = Path(__file__).resolve().parents[2]
 DRIVER = REPO / "tests" / "conformance" / "vllm_driver.py"
 BACKEND = REPO / "sim" / "vllm_backend.py"
+# Everything the recording depends on besides vLLM itself (its cache key).
+DRIVER_SOURCES = (
+    DRIVER,
+    *(DRIVER.parent / f"vllm_{part}.py" for part in ("wire", "workloads", "scenarios")),
+    BACKEND,
+)
 CACHE_DIR = REPO / ".cache" / "conformance"
 
 
@@ -57,7 +63,7 @@ def _vllm_version(python: Path) -> str:
 
 def recording_path(version: str) -> Path:
     digest = hashlib.sha256(version.encode())
-    for source in (DRIVER, BACKEND):
+    for source in DRIVER_SOURCES:
         digest.update(source.read_bytes())
     return CACHE_DIR / f"vllm-{version}-{digest.hexdigest()[:16]}.msgpack"
 

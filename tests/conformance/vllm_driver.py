@@ -187,13 +187,16 @@ def main(argv: list[str] | None = None) -> int:
         "--serve", type=Path, metavar="DIR", help="publish on ipc endpoints in DIR instead"
     )
     parser.add_argument("--pause-at", type=int, default=12, help="(serve) batches before GO")
+    parser.add_argument(
+        "--extra-seeds", type=int, default=0, help="reseeded copies of the random scenarios"
+    )
     args = parser.parse_args(argv)
     if args.serve is not None:
         serve(args.only or [], args.serve, args.pause_at)
         return 0
     if args.out is None:
         parser.error("--out is required")
-    chosen = [s for s in scenarios() if args.only is None or s.name in args.only]
+    chosen = [s for s in scenarios(args.extra_seeds) if args.only is None or s.name in args.only]
     results = []
     for sc in chosen:
         result = run_scenario(sc)

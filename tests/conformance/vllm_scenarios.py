@@ -6,6 +6,7 @@ list the names in vllm_recording.py.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -147,7 +148,9 @@ NS_MIX = (
 HYBRID = (G(FA, 16), G(SW, 16, 32), G(MB, 16))
 
 
-def scenarios() -> list[Scenario]:
+def scenarios(extra_seeds: int = 0) -> list[Scenario]:
+    """The scenarios, then `extra_seeds` reseeded copies of every random-workload one that is
+    not a limit (named `NAME~sK`), for longer bug hunts."""
     s: list[Scenario] = [
         Scenario(
             "example_A",
@@ -370,7 +373,13 @@ def scenarios() -> list[Scenario]:
             limit="report_mode_full",
         ),
     ]
-    return s
+    extra = [
+        dataclasses.replace(sc, name=f"{sc.name}~s{k}", seed=sc.seed * 1000 + k)
+        for k in range(1, extra_seeds + 1)
+        for sc in s
+        if sc.workload is not None and not sc.limit
+    ]
+    return s + extra
 
 
 def fleets() -> list[Fleet]:

@@ -113,5 +113,5 @@ def test_native_answers_are_consistent(
         assert min(per_group) >= hit
     if not sc["limit"] and len(probes) > 100:
         hits = [p["hit"] for p in probes]
-        assert sum(h > 0 for h in hits) > len(hits) // 10, "too few cache hits to be a test"
+        assert sum(h > 0 for h in hits) > len(hits) // 20, "too few cache hits to be a test"
         assert sum(h == 0 for h in hits) > len(hits) // 10, "too few misses to be a test"

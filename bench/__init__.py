@@ -1,0 +1,1 @@
+"""Benchmarks (each with a --smoke mode; results in bench/results/)."""

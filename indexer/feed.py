@@ -1,0 +1,66 @@
+"""Sequence order for one worker's stream of batches and snapshots."""
+
+from __future__ import annotations
+
+from indexer.lineage import Lineage
+from indexer.results import WorkerStats
+from proto import events_pb2
+
+
+class Feed:
+    """Applies batches in sequence order: an old or repeated sequence is ignored, a gap
+    discards the view and then applies the batch (a new observation); a snapshot
+    replaces the view; `invalidate` forgets it until new evidence arrives."""
+
+    def __init__(self, lineage: Lineage) -> None:
+        self.lineage = lineage
+        self.last_sequence: int | None = None
+        self.stale = 0
+        self.gaps = 0
+        self.snapshots = 0
+
+    def apply(self, batch: events_pb2.KvEventBatch) -> bool:
+        """Apply one batch; False when it was ignored as stale."""
+        seq = batch.sequence
+        last = self.last_sequence
+        if last is not None:
+            if seq <= last:
+                self.stale += 1
+                return False
+            if seq != last + 1:
+                self.gaps += 1
+                self.lineage.discard()
+        self.lineage.apply_batch(batch.events)
+        self.last_sequence = seq
+        return True
+
+    def apply_snapshot(self, snapshot: events_pb2.Snapshot) -> None:
+        self.snapshots += 1
+        self.lineage.discard(counted=False)
+        self.lineage.apply_batch(snapshot.events)
+        self.last_sequence = snapshot.sequence if snapshot.has_sequence else None
+
+    def invalidate(self) -> None:
+        self.lineage.discard()
+        self.last_sequence = None
+
+    def stats(self) -> WorkerStats:
+        lin = self.lineage
+        layout = lin.layout()
+        return WorkerStats(
+            last_sequence=self.last_sequence,
+            valid=layout.usable,
+            blocks_per_group=lin.blocks_per_group(),
+            entries=lin.entries,
+            pending=lin.pending,
+            evicted=lin.evicted,
+            resets=lin.resets,
+            pending_evicted=lin.pending_evicted,
+            stale=self.stale,
+            gaps=self.gaps,
+            conflicts=lin.conflicts,
+            invalid=lin.invalid,
+            malformed=lin.malformed,
+            snapshots=self.snapshots,
+            reason=layout.reason,
+        )

@@ -1,0 +1,150 @@
+"""The fleet's inverted index: content key -> which workers hold it, per group slot.
+
+One dict per group slot maps a content key to the workers whose group in that slot
+holds it, as an integer bitset (bit i = worker index i). Bitsets are interned: every
+key held by the same set of workers refers to one shared int object (a worker's own
+`1 << index` for a single holder), so a block costs a dict entry and no bitset of its
+own, and scoring reads a few hot objects instead of one per key. Copies beyond the
+first are counted on the side, per worker.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable
+
+_PRUNE_FLOOR = 4096
+
+
+class InvertedIndex:
+    """Per-slot dicts shared by all workers, and each worker's shared bit object."""
+
+    __slots__ = ("_interned", "_prune_at", "bits", "slots")
+
+    def __init__(self) -> None:
+        self.slots: list[dict[int, int]] = []
+        self.bits: list[int] = []  # 1 << index, one object per worker index
+        self._interned: dict[int, int] = {}  # multi-holder bitsets in use
+        self._prune_at = _PRUNE_FLOOR
+
+    def intern(self, bits: int) -> int:
+        """The shared object for this set of workers."""
+        if bits & (bits - 1) == 0:
+            return self.bits[bits.bit_length() - 1]
+        shared = self._interned.setdefault(bits, bits)
+        if len(self._interned) > self._prune_at:
+            self._prune()
+        return shared
+
+    def _prune(self) -> None:
+        """Forget bitsets no entry refers to any more (only this table holds them:
+        as key and value, plus getrefcount's own argument)."""
+        table = self._interned
+        for bits in [b for b, v in table.items() if sys.getrefcount(v) <= 3]:
+            del table[bits]
+        self._prune_at = max(_PRUNE_FLOOR, 2 * len(table))
+
+    def ensure_slot(self, slot: int) -> None:
+        while len(self.slots) <= slot:
+            self.slots.append({})
+
+    def bit(self, index: int) -> int:
+        while len(self.bits) <= index:
+            self.bits.append(1 << len(self.bits))
+        return self.bits[index]
+
+    def holds(self, index: int, slot: int, key: int) -> bool:
+        """Whether worker `index` holds `key` in `slot`."""
+        if slot >= len(self.slots):
+            return False
+        return bool(self.slots[slot].get(key, 0) >> index & 1)
+
+
+class WorkerSink:
+    """`PresenceSink` of one worker in the fleet's inverted index."""
+
+    __slots__ = ("_bit", "_extra", "_inv", "_present")
+
+    def __init__(self, inv: InvertedIndex, index: int) -> None:
+        self._inv = inv
+        self._bit = inv.bit(index)
+        self._extra: dict[tuple[int, int], int] = {}  # (slot, key) -> copies, when >= 2
+        self._present: list[int] = []  # per slot: keys held
+
+    def add_slot(self, slot: int) -> None:
+        self._inv.ensure_slot(slot)
+        while len(self._present) <= slot:
+            self._present.append(0)
+
+    def add(self, slot: int, key: int) -> None:
+        d = self._inv.slots[slot]
+        v = d.get(key)
+        if v is None:
+            d[key] = self._bit
+        elif v & self._bit:
+            self._extra[slot, key] = self._extra.get((slot, key), 1) + 1
+            return
+        else:
+            d[key] = self._inv.intern(v | self._bit)
+        self._present[slot] += 1
+
+    def _unset(self, d: dict[int, int], key: int, v: int) -> None:
+        v ^= self._bit
+        if v:
+            d[key] = self._inv.intern(v)
+        else:
+            del d[key]
+
+    def discard(self, slot: int, key: int) -> bool:
+        d = self._inv.slots[slot]
+        v = d.get(key, 0)
+        if not v & self._bit:
+            return False
+        n = self._extra.get((slot, key))
+        if n is not None:
+            if n == 2:
+                del self._extra[slot, key]
+            else:
+                self._extra[slot, key] = n - 1
+            return True
+        self._unset(d, key, v)
+        self._present[slot] -= 1
+        return True
+
+    def holds(self, key: int) -> bool:
+        slots = self._inv.slots
+        bit = self._bit
+        return any(slots[s].get(key, 0) & bit for s in range(len(self._present)))
+
+    def drop(self, key: int) -> None:
+        slots = self._inv.slots
+        for s in range(len(self._present)):
+            d = slots[s]
+            v = d.get(key, 0)
+            if v & self._bit:
+                self._extra.pop((s, key), None)
+                self._unset(d, key, v)
+                self._present[s] -= 1
+
+    def clear(self, keys: Iterable[int]) -> None:
+        for key in set(keys):
+            self.drop(key)
+        self._extra.clear()
+        self._present = [0] * len(self._present)
+
+    def present(self, slot: int) -> int:
+        return self._present[slot] if slot < len(self._present) else 0
+
+
+class WorkerPresence:
+    """`in` test for one worker's slot, for the per-worker rules."""
+
+    __slots__ = ("_d", "_index")
+
+    def __init__(self, inv: InvertedIndex, index: int, slot: int) -> None:
+        inv.ensure_slot(slot)
+        self._d = inv.slots[slot]
+        self._index = index
+
+    def __contains__(self, key: object) -> bool:
+        return bool(self._d.get(key, 0) >> self._index & 1)  # type: ignore[call-overload]

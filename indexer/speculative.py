@@ -1,0 +1,214 @@
+"""Speculative entries: what the router just sent where, before the worker's events say so.
+
+A burst of requests with the same new prefix should follow the first one to its worker.
+`expect` records the prompt's content keys for that worker until `expires_at` (time is
+passed in; the index has no clock). Scoring credits a worker with the part of a request
+an expectation covers, the way vLLM would reuse it once the expected prompt has run:
+
+- a worker whose groups are all full attention: the common prefix, aligned down;
+- any other worker (sliding window, Mamba, or layout unknown): only the expected
+  prompt's replay boundary (its length - 1 aligned down), where vLLM keeps state under
+  its default retention, and only if the request reaches it.
+
+An expectation disappears when it expires or when the worker's events confirm it (a
+group reports the block at its replay boundary). Bounded per worker and in total.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class _Expectation:
+    index: int
+    keys: list[int]  # content keys of the expected prompt, up to its last full unit
+    boundary_key: int | None  # the key at the replay boundary
+    boundary: int  # the replay boundary, tokens
+    expires_at: float
+
+
+class Expectations:
+    """Live expectations of every worker, as inverted maps key -> worker bitset."""
+
+    def __init__(self, max_per_worker: int, max_keys: int) -> None:
+        self._max_per_worker = max_per_worker
+        self._max_keys = max_keys
+        self._prefix: dict[int, int] = {}  # key -> workers expecting a prompt through it
+        self._prefix_counts: dict[tuple[int, int], int] = {}
+        self._boundary: dict[int, int] = {}  # boundary key -> workers
+        self._boundary_counts: dict[tuple[int, int], int] = {}
+        self._by_worker: dict[int, dict[int, _Expectation]] = {}  # index -> id -> exp
+        self._heap: list[tuple[float, int, int]] = []  # (expires_at, id, index)
+        self._next_id = 0
+        self._keys = 0
+        self.expired = 0
+        self.confirmed = 0
+        self.dropped = 0
+
+    @property
+    def active(self) -> bool:
+        """Whether any expectation is live."""
+        return bool(self._prefix)
+
+    def __len__(self) -> int:
+        return sum(len(v) for v in self._by_worker.values())
+
+    def count(self, index: int) -> int:
+        """Live expectations of one worker."""
+        return len(self._by_worker.get(index, ()))
+
+    @staticmethod
+    def _inc(inv: dict[int, int], counts: dict[tuple[int, int], int], key: int, index: int) -> None:
+        n = counts.get((key, index), 0)
+        counts[key, index] = n + 1
+        if n == 0:
+            inv[key] = inv.get(key, 0) | (1 << index)
+
+    @staticmethod
+    def _dec(inv: dict[int, int], counts: dict[tuple[int, int], int], key: int, index: int) -> None:
+        n = counts.get((key, index), 0)
+        if n > 1:
+            counts[key, index] = n - 1
+            return
+        counts.pop((key, index), None)
+        bits = inv.get(key, 0) & ~(1 << index)
+        if bits:
+            inv[key] = bits
+        else:
+            inv.pop(key, None)
+
+    def add(
+        self,
+        index: int,
+        keys: Sequence[int],
+        n_tokens: int,
+        alignment: int,
+        hash_unit: int,
+        expires_at: float,
+    ) -> None:
+        """Expect worker `index` to hold the prompt (n_tokens, these content keys) until
+        `expires_at`."""
+        unit_keys = list(keys)
+        if not unit_keys:
+            return
+        boundary = max(n_tokens - 1, 0)
+        boundary -= boundary % alignment
+        boundary_key = unit_keys[boundary // hash_unit - 1] if boundary else None
+        mine = self._by_worker.setdefault(index, {})
+        for exp_id, exp in mine.items():  # the same prompt again: extend it
+            if exp.keys[-1] == unit_keys[-1] and exp.boundary == boundary:
+                if expires_at > exp.expires_at:
+                    exp.expires_at = expires_at
+                    heapq.heappush(self._heap, (expires_at, exp_id, index))
+                return
+        exp_id = self._next_id
+        self._next_id += 1
+        exp = _Expectation(index, unit_keys, boundary_key, boundary, expires_at)
+        mine[exp_id] = exp
+        for key in unit_keys:
+            self._inc(self._prefix, self._prefix_counts, key, index)
+        if boundary_key is not None:
+            self._inc(self._boundary, self._boundary_counts, boundary_key, index)
+        self._keys += len(unit_keys)
+        heapq.heappush(self._heap, (expires_at, exp_id, index))
+        while len(mine) > self._max_per_worker:
+            self._remove(index, min(mine, key=lambda i: mine[i].expires_at))
+            self.dropped += 1
+        while self._keys > self._max_keys and self._heap:
+            _, victim, vindex = heapq.heappop(self._heap)
+            if victim in self._by_worker.get(vindex, {}):
+                self._remove(vindex, victim)
+                self.dropped += 1
+
+    def _remove(self, index: int, exp_id: int) -> None:
+        mine = self._by_worker.get(index)
+        if mine is None or exp_id not in mine:
+            return
+        exp = mine.pop(exp_id)
+        if not mine:
+            del self._by_worker[index]
+        for key in exp.keys:
+            self._dec(self._prefix, self._prefix_counts, key, index)
+        if exp.boundary_key is not None:
+            self._dec(self._boundary, self._boundary_counts, exp.boundary_key, index)
+        self._keys -= len(exp.keys)
+
+    def expire(self, now: float) -> None:
+        """Drop expectations with expires_at <= now."""
+        while self._heap and self._heap[0][0] <= now:
+            _, exp_id, index = heapq.heappop(self._heap)
+            exp = self._by_worker.get(index, {}).get(exp_id)
+            if exp is not None and exp.expires_at <= now:
+                self._remove(index, exp_id)
+                self.expired += 1
+
+    def remove_worker(self, index: int) -> None:
+        for exp_id in list(self._by_worker.get(index, {})):
+            self._remove(index, exp_id)
+
+    def confirm(self, index: int, holds: Callable[[int], bool]) -> None:
+        """Drop the worker's expectations its events now confirm."""
+        mine = self._by_worker.get(index)
+        if not mine:
+            return
+        done = [
+            exp_id
+            for exp_id, exp in mine.items()
+            if exp.boundary_key is not None and holds(exp.boundary_key)
+        ]
+        for exp_id in done:
+            self._remove(index, exp_id)
+            self.confirmed += 1
+
+    def credit(
+        self,
+        keys: Sequence[int],
+        cap: int,
+        hash_unit: int,
+        rule_of: Callable[[int], tuple[bool, int]],
+    ) -> dict[int, int]:
+        """Credited tokens per worker index for a request. `rule_of(index)` gives
+        (all groups full attention, alignment) for a worker."""
+        if not self._prefix or cap <= 0:
+            return {}
+        m = min(len(keys), cap // hash_unit)
+        alive = -1
+        reach: dict[int, int] = {}  # index -> common prefix in tokens
+        boundary_hit: dict[int, int] = {}  # index -> highest boundary reached
+        prefix_get = self._prefix.get
+        boundary_get = self._boundary.get
+        for i in range(m):
+            key = keys[i]
+            bits = prefix_get(key, 0) & alive
+            if bits != alive and alive != -1:
+                for index in _indexes(alive & ~bits):
+                    reach[index] = i * hash_unit
+            alive = bits
+            if not alive:
+                break
+            hit = boundary_get(key, 0) & alive
+            if hit:
+                for index in _indexes(hit):
+                    boundary_hit[index] = (i + 1) * hash_unit
+        if alive > 0:
+            for index in _indexes(alive):
+                reach[index] = m * hash_unit
+        out: dict[int, int] = {}
+        for index, tokens in reach.items():
+            full_only, alignment = rule_of(index)
+            credit = tokens - tokens % alignment if full_only else boundary_hit.get(index, 0)
+            if credit > 0:
+                out[index] = credit
+        return out
+
+
+def _indexes(bits: int) -> list[int]:
+    out = []
+    while bits:
+        low = bits & -bits
+        out.append(low.bit_length() - 1)
+        bits ^= low
+    return out

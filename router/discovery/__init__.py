@@ -1,0 +1,46 @@
+"""Where the router's workers come from: a static list, a watched file, Kubernetes pods.
+
+Every source reports to a `DiscoverySink` (the router's worker registry) with
+`upsert(WorkerSpec)` and `drain(name)`; see /work/notes/discovery-api.md.
+"""
+
+from router.discovery.config import (
+    DiscoveryConfig,
+    DiscoveryConfigError,
+    DiscoveryHandle,
+    FileConfig,
+    KubernetesConfig,
+    parse_discovery_config,
+    start_discovery,
+)
+from router.discovery.file_watch import FileSource, load_workers_file
+from router.discovery.k8s import KubernetesSource, PodClient
+from router.discovery.pods import PodDefaults, is_ready, worker_from_pod
+from router.discovery.sink import DiscoverySink, DiscoveryStats, SourceView
+from router.discovery.spec import WorkerSpec, WorkerSpecError, parse_worker, parse_workers
+from router.discovery.static import StaticSource
+
+__all__ = [
+    "DiscoveryConfig",
+    "DiscoveryConfigError",
+    "DiscoveryHandle",
+    "DiscoverySink",
+    "DiscoveryStats",
+    "FileConfig",
+    "FileSource",
+    "KubernetesConfig",
+    "KubernetesSource",
+    "PodClient",
+    "PodDefaults",
+    "SourceView",
+    "StaticSource",
+    "WorkerSpec",
+    "WorkerSpecError",
+    "is_ready",
+    "load_workers_file",
+    "parse_discovery_config",
+    "parse_worker",
+    "parse_workers",
+    "start_discovery",
+    "worker_from_pod",
+]

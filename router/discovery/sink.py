@@ -1,0 +1,117 @@
+"""The interface discovery talks to, and the per-source bookkeeping in front of it.
+
+Every source (static list, watched file, Kubernetes) owns a `SourceView`: it remembers
+which workers that source has announced, tells the sink only about changes, and only ever
+drains names it announced itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from router.discovery.spec import WorkerSpec
+
+
+class DiscoverySink(Protocol):
+    """Implemented by the router's worker registry. Calls come from the event loop thread."""
+
+    def upsert(self, worker: WorkerSpec) -> None:
+        """Add the worker, or replace the one of the same name (un-draining it)."""
+
+    def drain(self, name: str) -> None:
+        """Stop new requests to `name`, let in-flight ones finish, then remove it."""
+
+
+@dataclass(slots=True)
+class DiscoveryStats:
+    """Counters of one source, for the router's /metrics."""
+
+    source: str
+    upserts: int = 0
+    drains: int = 0
+    errors: int = 0  # bad input (file, pod annotations, watch events) and API failures
+    rejected: int = 0  # workers refused because the source is at max_workers
+    relists: int = 0  # full Kubernetes lists (the first one, and after 410 Gone / bad events)
+    gone: int = 0  # watches refused with 410 Gone (resourceVersion too old)
+    reconnects: int = 0  # watch streams resumed from a resourceVersion
+    workers: int = 0  # currently announced, not drained
+
+
+class RateLimitedLog:
+    """Logs a given key at most once per `interval` seconds, so bad input cannot flood logs."""
+
+    def __init__(
+        self,
+        logger: logging.Logger,
+        interval: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+        max_keys: int = 1024,
+    ) -> None:
+        self._logger = logger
+        self._interval = interval
+        self._clock = clock
+        self._max_keys = max_keys
+        self._last: dict[str, float] = {}
+
+    def warning(self, key: str, msg: str, *args: object) -> bool:
+        """Log unless `key` was logged within the interval; returns whether it logged."""
+        now = self._clock()
+        last = self._last.get(key)
+        if last is not None and now - last < self._interval:
+            return False
+        if len(self._last) >= self._max_keys and key not in self._last:
+            # Bounded: forget the oldest key rather than grow with distinct bad inputs.
+            del self._last[next(iter(self._last))]
+        self._last.pop(key, None)
+        self._last[key] = now
+        self._logger.warning(msg, *args)
+        return True
+
+
+@dataclass(slots=True)
+class SourceView:
+    """What one source has told the sink; turns desired states into minimal sink calls."""
+
+    sink: DiscoverySink
+    stats: DiscoveryStats
+    max_workers: int = 4096
+    announced: dict[str, WorkerSpec] = field(default_factory=dict)
+
+    def set(self, spec: WorkerSpec) -> bool:
+        """Announce `spec` if new or changed. Returns False when refused at max_workers."""
+        current = self.announced.get(spec.name)
+        if current == spec:
+            return True
+        if current is None and len(self.announced) >= self.max_workers:
+            self.stats.rejected += 1
+            return False
+        self.announced[spec.name] = spec
+        self.sink.upsert(spec)
+        self.stats.upserts += 1
+        self.stats.workers = len(self.announced)
+        return True
+
+    def remove(self, name: str) -> None:
+        """Drain `name` if this source announced it; otherwise nothing."""
+        if self.announced.pop(name, None) is None:
+            return
+        self.sink.drain(name)
+        self.stats.drains += 1
+        self.stats.workers = len(self.announced)
+
+    def replace_all(self, specs: Iterable[WorkerSpec]) -> None:
+        """Make the announced set exactly `specs`: drain the missing, upsert the changed."""
+        wanted = {spec.name: spec for spec in specs}
+        for name in [n for n in self.announced if n not in wanted]:
+            self.remove(name)
+        for spec in wanted.values():
+            self.set(spec)
+
+    def clear(self) -> None:
+        """Drain everything this source announced."""
+        for name in list(self.announced):
+            self.remove(name)

@@ -1,0 +1,83 @@
+"""Speculative expectations: credit before the events arrive, expiry, confirmation."""
+
+from __future__ import annotations
+
+import random
+
+from indexer import FleetIndex, Namespace
+from tests.indexer.events import FULL, MAMBA, SWA, batch, engine_hashes, store
+
+RNG = random.Random(11)
+P = [RNG.randrange(1000, 9000) for _ in range(200)]
+H = engine_hashes(P)
+
+
+def _fleet() -> FleetIndex:
+    fi = FleetIndex()
+    fi.apply("full", batch(0, store(0, [], [], 16, FULL)))
+    fi.apply(
+        "hybrid",
+        batch(
+            0,
+            store(0, [], [], 16, FULL),
+            store(1, [], [], 16, SWA, window=32),
+            store(2, [], [], 16, MAMBA),
+        ),
+    )
+    return fi
+
+
+def test_full_attention_worker_is_credited_with_the_common_prefix() -> None:
+    fi = _fleet()
+    fi.expect("full", P[:100], None, expires_at=10.0)
+    assert fi.score(P[:100])["full"] == 96  # what a resend would reuse
+    assert fi.score(P[:70] + [1] * 30)["full"] == 64  # a shared 70-token prefix
+    assert fi.score(P[:100], Namespace(cache_salt="x"))["full"] == 0  # other namespace
+    assert fi.score(P[:100])["hybrid"] == 0
+    ws = fi.explain(P[:100])["full"]
+    assert ws.expected_tokens == 96 and "speculative" in ws.reason
+
+
+def test_hybrid_worker_is_credited_only_at_the_replay_boundary() -> None:
+    fi = _fleet()
+    fi.expect("hybrid", P[:100], None, expires_at=10.0)
+    assert fi.score(P[:100])["hybrid"] == 96
+    assert fi.score(P[:120])["hybrid"] == 96
+    # a request sharing 70 tokens: Mamba/SWA state exists only at 96: no credit
+    assert fi.score(P[:70] + [1] * 30)["hybrid"] == 0
+
+
+def test_unknown_worker_gets_a_score_from_an_expectation() -> None:
+    fi = FleetIndex()
+    fi.expect("new", P[:100], None, expires_at=5.0)
+    assert fi.score(P[:100]) == {"new": 96}
+    fi.expire(5.0)
+    assert fi.score(P[:100]) == {"new": None}
+
+
+def test_expectations_expire_and_events_confirm_them() -> None:
+    fi = _fleet()
+    fi.expect("full", P[:100], None, expires_at=10.0)
+    fi.expect("full", P[:50], None, expires_at=20.0)
+    fi.expire(10.0)
+    assert fi.score(P[:100])["full"] == 48  # only the second is live
+    # the worker's events report the block at the second prompt's replay boundary
+    fi.apply("full", batch(1, store(0, H[:3], P[:48], 16, FULL)))
+    assert fi.score(P[:100])["full"] == 48  # from the events now
+    assert fi.stats("full").expectations == 0  # confirmed and dropped
+
+
+def test_expectation_never_lowers_an_event_based_score() -> None:
+    fi = _fleet()
+    fi.apply("full", batch(1, store(0, H[:6], P[:96], 16, FULL)))
+    fi.expect("full", P[:40], None, expires_at=1.0)
+    assert fi.score(P[:100])["full"] == 96
+
+
+def test_expectations_are_bounded_per_worker() -> None:
+    fi = FleetIndex(max_expectations_per_worker=4)
+    for i in range(10):
+        fi.expect("w", [i] * 64, None, expires_at=float(i))
+    assert fi.stats("w").expectations == 4
+    assert fi.score([9] * 64)["w"] == 48
+    assert fi.score([0] * 64)["w"] is None  # the earliest-expiring were dropped

@@ -10,39 +10,19 @@ first are counted on the side, per worker.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterable
-
-_PRUNE_FLOOR = 4096
 
 
 class InvertedIndex:
-    """Per-slot dicts shared by all workers, and each worker's shared bit object."""
+    """Per-slot dicts shared by all workers, and the shared bitset objects."""
 
-    __slots__ = ("_interned", "_prune_at", "bits", "slots")
+    __slots__ = ("_interned", "_uses", "bits", "slots")
 
     def __init__(self) -> None:
         self.slots: list[dict[int, int]] = []
         self.bits: list[int] = []  # 1 << index, one object per worker index
-        self._interned: dict[int, int] = {}  # multi-holder bitsets in use
-        self._prune_at = _PRUNE_FLOOR
-
-    def intern(self, bits: int) -> int:
-        """The shared object for this set of workers."""
-        if bits & (bits - 1) == 0:
-            return self.bits[bits.bit_length() - 1]
-        shared = self._interned.setdefault(bits, bits)
-        if len(self._interned) > self._prune_at:
-            self._prune()
-        return shared
-
-    def _prune(self) -> None:
-        """Forget bitsets no entry refers to any more (only this table holds them:
-        as key and value, plus getrefcount's own argument)."""
-        table = self._interned
-        for bits in [b for b, v in table.items() if sys.getrefcount(v) <= 3]:
-            del table[bits]
-        self._prune_at = max(_PRUNE_FLOOR, 2 * len(table))
+        self._interned: dict[int, int] = {}  # multi-holder bitset -> its shared object
+        self._uses: dict[int, int] = {}  # multi-holder bitset -> entries referring to it
 
     def ensure_slot(self, slot: int) -> None:
         while len(self.slots) <= slot:
@@ -52,6 +32,25 @@ class InvertedIndex:
         while len(self.bits) <= index:
             self.bits.append(1 << len(self.bits))
         return self.bits[index]
+
+    def swap(self, old: int, new: int) -> int:
+        """An entry's holders change from `old` to `new` (0: none): keep the use counts
+        of shared bitsets and return the shared object for `new`."""
+        if old & (old - 1):
+            n = self._uses[old] - 1
+            if n:
+                self._uses[old] = n
+            else:
+                del self._uses[old]
+                del self._interned[old]
+        if not new & (new - 1):
+            return self.bits[new.bit_length() - 1] if new else 0
+        self._uses[new] = self._uses.get(new, 0) + 1
+        return self._interned.setdefault(new, new)
+
+    def shared_bitsets(self) -> int:
+        """Distinct multi-holder bitsets in use."""
+        return len(self._interned)
 
     def holds(self, index: int, slot: int, key: int) -> bool:
         """Whether worker `index` holds `key` in `slot`."""
@@ -85,13 +84,13 @@ class WorkerSink:
             self._extra[slot, key] = self._extra.get((slot, key), 1) + 1
             return
         else:
-            d[key] = self._inv.intern(v | self._bit)
+            d[key] = self._inv.swap(v, v | self._bit)
         self._present[slot] += 1
 
     def _unset(self, d: dict[int, int], key: int, v: int) -> None:
-        v ^= self._bit
-        if v:
-            d[key] = self._inv.intern(v)
+        rest = self._inv.swap(v, v ^ self._bit)
+        if rest:
+            d[key] = rest
         else:
             del d[key]
 

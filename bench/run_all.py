@@ -24,7 +24,18 @@ from typing import Any
 RESULTS = Path(__file__).resolve().parent / "results"
 
 # Section order in SUMMARY.md (by result-file name prefix); other results follow by name.
-ORDER = ("routing", "overhead", "router_overhead", "index", "bridge", "tokenize", "sim_engine")
+ORDER = (
+    "routing_dense",
+    "routing_swa",
+    "routing_mamba",
+    "routing",
+    "overhead",
+    "router_overhead",
+    "index",
+    "bridge",
+    "tokenize",
+    "sim_engine",
+)
 
 
 @dataclass(frozen=True)
@@ -113,10 +124,15 @@ def write_summary(results: Path, steps: Sequence[dict[str, Any]] = ()) -> Path:
         png = page.with_suffix(".png")
         if png.exists():
             lines += [f"![{page.stem}]({png.name})", ""]
-    missing = [n for n in ORDER if not any(p.stem.startswith(n) for p in pages)]
-    if missing:
-        lines += ["## Not measured yet", ""]
-        lines += [f"- {n}" for n in missing]
+    steps_without_page = [
+        st.name for st in STEPS if not any(p.stem.startswith(st.name) for p in pages)
+    ]
+    if steps_without_page:
+        lines += ["## Without a page here", ""]
+        for name in steps_without_page:
+            data = sorted(results.glob(f"{name}*.json"))
+            where = ", ".join(f"`{d.name}`" for d in data) if data else "not measured yet"
+            lines.append(f"- {name}: {where}")
         lines.append("")
     out = results / "SUMMARY.md"
     out.write_text("\n".join(lines))

@@ -107,7 +107,14 @@ def routing_markdown(result: dict[str, Any]) -> str:
         "",
         markdown_table(headers, rows),
     ]
-    notes = result.get("notes") or []
+    notes = list(result.get("notes") or [])
+    loads = [x for r in result["routers"] for x in r.get("loadavg_1m") or []]
+    if loads:
+        notes.append(
+            f"Machine load average (1 min) around the runs: {min(loads):.1f}-{max(loads):.1f} "
+            f"on {result.get('machine', {}).get('cpus', '?')} CPUs shared with other work; "
+            "TTFT includes that contention, so small TTFT differences are noise."
+        )
     if notes:
         lines += ["", *[f"- {n}" for n in notes]]
     lines += ["", f"Command: `{result.get('command', '')}`", ""]

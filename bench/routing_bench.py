@@ -106,12 +106,15 @@ def run_router(cfg: BenchConfig, profile: str, name: str, run_dir: Path) -> dict
         except (FleetError, RuntimeError, TimeoutError) as exc:
             return {**row, "status": "failed", "reason": str(exc)[:2000]}
         print(f"[{profile}] {name}: replaying {len(cfg.trace)} requests", file=sys.stderr)
+        load_before = os.getloadavg()[0]
         before = scrape(fleet.engines)
         load = replace(cfg.load, url=router.url, model=fleet.model)
         records = asyncio.run(
             run_trace(cfg.trace, load, progress_printer(len(cfg.trace), every=100))
         )
         after = scrape(fleet.engines)
+        # The machine is shared: keep how busy it was, since TTFT includes CPU contention.
+        row["loadavg_1m"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
         if spec.kind == "kvroute":
             row["prediction"] = kvroute_predictions(router.url)
     summary = summarize(records, cfg.slo_ttft_s)

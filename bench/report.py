@@ -98,9 +98,11 @@ def routing_markdown(result: dict[str, Any]) -> str:
     f = result.get("fleet", {})
     lines = [
         f"# Routing benchmark: profile `{result['profile']}`"
+        + (" on vLLM's KVCacheManager" if f.get("cache_backend") == "vllm" else "")
         + (" (smoke)" if result.get("smoke") else ""),
         "",
-        f"Fleet: {f.get('workers', '?')} simulated engines ({f.get('profile', '?')}), "
+        f"Fleet: {f.get('workers', '?')} simulated engines ({f.get('profile', '?')}, cache "
+        f"backend {f.get('cache_backend', 'sim')}), "
         f"trace: {t.get('name', '?')} ({t.get('requests', '?')} requests, "
         f"{t.get('prompt_tokens', 0):,} prompt tokens), replay: {result.get('replay', '?')}. "
         f"Cached tokens are the engines' own count (prefix-cache hits).",

@@ -47,6 +47,9 @@ class Step:
     budget_s: float
 
 
+# The run on vLLM's real cache manager: the hybrid profile, the routers that matter most.
+VLLM_ROUTERS = "kvroute,kvroute-fa-only,smg-cache-aware,vllm-router,oracle,kvroute-round-robin"
+
 # Every benchmark of the project, in the order they run; a module not in this checkout is
 # reported as missing and skipped.
 STEPS = (
@@ -56,6 +59,13 @@ STEPS = (
         ("--profile", "all"),
         ("--smoke", "--profile", "dense"),
         5400,
+    ),
+    Step(
+        "routing_vllm",
+        "bench.routing_bench",
+        ("--profile", "mamba", "--cache-backend", "vllm", "--routers", VLLM_ROUTERS),
+        ("--smoke", "--profile", "mamba", "--cache-backend", "vllm"),
+        2400,
     ),
     Step("overhead", "bench.overhead_bench", (), ("--smoke",), 1200),
     Step("router_overhead", "bench.router_overhead_bench", (), ("--smoke",), 900),

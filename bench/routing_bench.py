@@ -102,7 +102,7 @@ def run_router(cfg: BenchConfig, profile: str, name: str, run_dir: Path) -> dict
                 run_dir=run_dir,
                 extra_args=cfg.fleet_args,
                 python=cfg.fleet_python,
-                timeout_s=180.0 if cfg.fleet_python else 90.0,
+                timeout_s=300.0 if cfg.fleet_python else 90.0,
             )
             router = start_router(pg, spec, fleet, peers)
         except RouterUnavailable as exc:
@@ -234,7 +234,8 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
         fleet_python = vllm_python()
         if fleet_python is None:
             raise SystemExit("--cache-backend vllm needs .venv-vllm (make vllm-env)")
-        fleet_args = (*fleet_args, "--cache-backend", "vllm")
+        # vLLM engines start slowly (imports, the cache manager), more so four at once.
+        fleet_args = (*fleet_args, "--cache-backend", "vllm", "--startup-timeout", "240")
         suffix = "_vllm" + suffix
         notes.append("engines use vLLM 0.33's own KVCacheManager (--cache-backend vllm)")
     return BenchConfig(

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from bench.fleet import FleetError, delta, scrape, start_fleet, vllm_python
+from bench.fleet import Fleet, FleetError, delta, scrape, start_fleet, vllm_python
 from bench.loadgen import LoadConfig, progress_printer, run_trace
 from bench.peers import find_peers
 from bench.procs import ProcessGroup
@@ -87,15 +87,13 @@ class BenchConfig:
     fleet_python: str | None = None
 
 
-def run_router(cfg: BenchConfig, profile: str, name: str, run_dir: Path) -> dict[str, Any]:
-    """One router on a fresh fleet: the result row (status ok / unavailable / failed)."""
-    spec = ROUTERS[name]
-    row: dict[str, Any] = {"name": name, "label": spec.label, "status": "ok"}
-    peers = find_peers()
-    t0 = time.monotonic()
-    with ProcessGroup(run_dir / "logs" / name) as pg:
+def _start_fleet_retrying(
+    pg: ProcessGroup, cfg: BenchConfig, profile: str, run_dir: Path, attempts: int = 2
+) -> Fleet:
+    """Start the fleet; once more if it fails (start-up races on a busy machine)."""
+    for attempt in range(attempts):
         try:
-            fleet = start_fleet(
+            return start_fleet(
                 pg,
                 workers=cfg.workers,
                 profile=profile,
@@ -104,6 +102,23 @@ def run_router(cfg: BenchConfig, profile: str, name: str, run_dir: Path) -> dict
                 python=cfg.fleet_python,
                 timeout_s=300.0 if cfg.fleet_python else 90.0,
             )
+        except FleetError as exc:
+            if attempt + 1 == attempts:
+                raise
+            print(f"[{profile}] fleet did not start, retrying: {exc}"[:300], file=sys.stderr)
+            pg.stop_all()
+    raise AssertionError("unreachable")
+
+
+def run_router(cfg: BenchConfig, profile: str, name: str, run_dir: Path) -> dict[str, Any]:
+    """One router on a fresh fleet: the result row (status ok / unavailable / failed)."""
+    spec = ROUTERS[name]
+    row: dict[str, Any] = {"name": name, "label": spec.label, "status": "ok"}
+    peers = find_peers()
+    t0 = time.monotonic()
+    with ProcessGroup(run_dir / "logs" / name) as pg:
+        try:
+            fleet = _start_fleet_retrying(pg, cfg, profile, run_dir)
             router = start_router(pg, spec, fleet, peers)
         except RouterUnavailable as exc:
             return {**row, "status": "unavailable", "reason": str(exc)}

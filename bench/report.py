@@ -156,7 +156,8 @@ def routing_plot(result: dict[str, Any], path: str | Path) -> None:
             label=q.replace("ttft_", ""),
             color=color,
         )
-    ax.set_title("time to first token (s)")
+    ax.set_title("time to first token (s, log scale)")
+    ax.set_yscale("log")
     ax.legend()
     ax = axes[1][0]
     ax.bar(x, [r["summary"]["output_tok_per_s"] for r in runs], color="tab:purple")
@@ -176,3 +177,23 @@ def routing_plot(result: dict[str, Any], path: str | Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Re-render the table and plot of routing result files: ``python -m bench.report F.json``."""
+    import json
+    import sys
+
+    paths = list(argv if argv is not None else sys.argv[1:])
+    for p in paths:
+        result = json.loads(Path(p).read_text())
+        if result.get("benchmark") != "routing":
+            print(f"{p}: not a routing result, skipped", file=sys.stderr)
+            continue
+        Path(p).with_suffix(".md").write_text(routing_markdown(result))
+        routing_plot(result, Path(p).with_suffix(".png"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -13,7 +13,7 @@ from indexer.fleet_score import score_fast
 from indexer.group_cache import explain_layout
 from indexer.inverted import InvertedIndex, WorkerPresence, WorkerSink
 from indexer.keys import Namespace, content_keys
-from indexer.layout import Layout, Rule
+from indexer.layout import Layout, Rule, check_alignment
 from indexer.lineage import Lineage
 from indexer.plan import Plan, build_plan
 from indexer.results import WorkerScore, WorkerStats
@@ -125,22 +125,24 @@ class FleetIndex:
     def set_alignment(self, worker_id: str, alignment: int | None) -> None:
         """Override the worker's inferred hit alignment (vLLM's scheduler block size or
         hash unit, for layouts the events cannot reveal); None infers it again."""
-        if alignment is not None and (alignment <= 0 or alignment % self.hash_unit):
-            raise ValueError("alignment must be a positive multiple of the hash unit")
+        check_alignment(alignment, self.hash_unit)
         w = self._worker(worker_id)
         w.lineage.set_alignment(alignment)
         self._after(w)
 
     def workers(self) -> list[str]:
+        """Ids of the workers the index knows, in the order they were first seen."""
         return list(self._workers)
 
     def stats(self, worker_id: str) -> WorkerStats:
+        """The worker's counters and sizes; KeyError for an unknown worker."""
         w = self._workers.get(worker_id)
         if w is None:
             raise KeyError(worker_id)
         return dataclasses.replace(w.feed.stats(), expectations=self._spec.count(w.index))
 
     def layout(self, worker_id: str) -> Layout:
+        """The worker's cache layout as learned from its events."""
         return self._workers[worker_id].lineage.layout()
 
     # -- speculative entries ---------------------------------------------------------------
@@ -235,6 +237,7 @@ class FleetIndex:
         return self.explain_keys(keys, len(token_ids))
 
     def explain_keys(self, keys: Sequence[int], n_tokens: int) -> dict[str, WorkerScore]:
+        """`explain` from `content_keys` the caller already computed."""
         credit = self._credit(keys, n_tokens) if self._spec.active else {}
         out: dict[str, WorkerScore] = {}
         for name, w in self._workers.items():

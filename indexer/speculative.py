@@ -146,6 +146,7 @@ class Expectations:
                 self.expired += 1
 
     def remove_worker(self, index: int) -> None:
+        """Drop every expectation of a worker (it left the fleet)."""
         for exp_id in list(self._by_worker.get(index, {})):
             self._remove(index, exp_id)
 

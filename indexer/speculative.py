@@ -114,6 +114,12 @@ class Expectations:
             self._inc(self._boundary, self._boundary_counts, boundary_key, index)
         self._keys += len(unit_keys)
         heapq.heappush(self._heap, (expires_at, exp_id, index))
+        self._enforce_bounds(index)
+
+    def _enforce_bounds(self, index: int) -> None:
+        """Beyond a bound, drop the expectations that expire first: the worker's own for its
+        count, anyone's for the total of keys."""
+        mine = self._by_worker[index]
         while len(mine) > self._max_per_worker:
             self._remove(index, min(mine, key=lambda i: mine[i].expires_at))
             self.dropped += 1

@@ -129,6 +129,7 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The `kvroute sim` options."""
     p = argparse.ArgumentParser(
         prog="kvroute sim",
         description="Run a simulated vLLM engine (OpenAI HTTP API + KV events on ZMQ). "
@@ -183,6 +184,7 @@ async def _serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`kvroute sim [fleet]`: run until SIGINT/SIGTERM; 2 for bad options."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "fleet":
         from sim.fleet import main as fleet_main

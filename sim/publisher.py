@@ -40,6 +40,8 @@ MALFORMED_KINDS = ("payload", "frames")  # a payload that is not msgpack; 2 fram
 
 @dataclass(frozen=True, slots=True)
 class PublisherConfig:
+    """vLLM's KVEventsConfig, as far as the simulated publisher uses it."""
+
     endpoint: str = "tcp://127.0.0.1:0"
     replay_endpoint: str | None = "tcp://127.0.0.1:0"
     topic: str = ""
@@ -102,6 +104,7 @@ class EventPublisher:
 
     # ---- control ------------------------------------------------------------------------
     def start(self) -> None:
+        """Start the publisher thread."""
         self._thread = threading.Thread(target=self._run, name="zmq-publisher", daemon=True)
         self._thread.start()
 
@@ -116,6 +119,7 @@ class EventPublisher:
             log.warning("event queue full (%d), batch dropped", self.config.max_queue_size)
 
     def close(self, timeout: float = 2.0) -> None:
+        """Stop the thread (after what is queued) and close the sockets."""
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join(timeout)
@@ -136,6 +140,7 @@ class EventPublisher:
         self._queue.put(_Control("malformed", malformed=kind))
 
     def set_replay_enabled(self, enabled: bool) -> None:
+        """Answer (True) or ignore (False) replay requests."""
         with self._lock:
             self._replay_enabled = enabled
 
@@ -148,6 +153,7 @@ class EventPublisher:
         return self._seq
 
     def state(self) -> dict[str, Any]:
+        """Counters and fault settings, for GET /sim/faults."""
         with self._lock:
             replay_enabled = self._replay_enabled
         return {

@@ -53,14 +53,17 @@ class RunningEngine:
 
     @property
     def url(self) -> str:
+        """The HTTP base URL."""
         return f"http://{self.host}:{self.port}"
 
     @property
     def events(self) -> str | None:
+        """The ZMQ PUB endpoint, if events are published."""
         return self.publisher.endpoint if self.publisher else None
 
     @property
     def replay(self) -> str | None:
+        """The ZMQ replay endpoint, if there is one."""
         return self.publisher.replay_endpoint if self.publisher else None
 
     async def aclose(self) -> None:

@@ -69,10 +69,13 @@ class GroupManager:
         spec: GroupSpec,
         alignment: int,
     ) -> tuple[HitBlocks, int]:
+        """(hit blocks per group, hit tokens <= max_length) for groups of this spec, as
+        vLLM's manager class finds them."""
         raise NotImplementedError
 
     # ---- allocation ----------------------------------------------------------------
     def num_skipped_tokens(self, num_computed: int) -> int:
+        """Leading tokens whose blocks a request no longer needs (e.g. outside a window)."""
         return 0
 
     def _partial_local_hit(self, new_computed: Sequence[Block], num_local: int) -> bool:
@@ -88,6 +91,8 @@ class GroupManager:
         num_tokens_main: int,
         apply_cap: bool = False,
     ) -> int:
+        """Blocks this allocation would take from the pool, hit blocks that are free now
+        included (vLLM's get_num_blocks_to_allocate)."""
         required = cdiv(num_tokens, self.block_size)
         if apply_cap and self.admission_cap is not None:
             required = min(required, self.admission_cap)
@@ -103,6 +108,7 @@ class GroupManager:
         return new + evictable
 
     def add_hit_blocks(self, rid: str, new_computed: Sequence[Block], num_local: int) -> None:
+        """Adopt a waiting request's hit blocks (skipped ones as null blocks)."""
         table = self.blocks(rid)
         assert not table
         skipped = self.num_skipped_tokens(num_local) // self.block_size
@@ -125,6 +131,7 @@ class GroupManager:
         cow.ref_cnt += 1  # held until the copy "ran" (end of scheduling)
 
     def allocate_new_blocks(self, rid: str, num_tokens: int, num_tokens_main: int) -> None:
+        """Grow the request's table to num_tokens (copying a partially hit block)."""
         if rid in self.partial_hit_reqs:
             idx, source = self.partial_hit_reqs.pop(rid)
             self._apply_cow(rid, idx, source, self.pool.get_new_blocks(1)[0])
@@ -137,11 +144,14 @@ class GroupManager:
     def reachable_mask(
         self, start: int, end: int, retention: int | None, boundaries: Sequence[int]
     ) -> list[bool] | None:
+        """Which of blocks [start, end) can serve a hit under the retention interval and the
+        replay and junction boundaries; None: all of them."""
         return None  # dense: every full block can serve a hit
 
     def cache_blocks(
         self, seq: CacheSeq, num_tokens: int, retention: int | None, replay: Sequence[int]
     ) -> None:
+        """Register the request's newly full (and reachable) blocks in the prefix cache."""
         rid = seq.request_id
         num_cached = self.num_cached.get(rid, 0)
         hashed = len(seq.block_hashes) * self.pool.hash_unit
@@ -174,6 +184,7 @@ class GroupManager:
             self.pool.free_blocks(freed)
 
     def remove_skipped_blocks(self, rid: str, processed: int) -> None:
+        """Free the blocks the request no longer needs after `processed` tokens."""
         skipped = self.num_skipped_tokens(processed)
         if skipped <= 0:
             return
@@ -181,6 +192,7 @@ class GroupManager:
         self._remove_range(rid, 0, min(skipped // self.block_size, len(table)))
 
     def pop_blocks(self, rid: str) -> list[Block]:
+        """Forget the request; returns its blocks, leading null blocks dropped."""
         table = self.req_blocks.pop(rid, [])
         self.num_cached.pop(rid, None)
         self.partial_hit_reqs.pop(rid, None)
@@ -190,14 +202,17 @@ class GroupManager:
         return table[lead:]
 
     def free(self, rid: str) -> None:
+        """Forget the request and give its blocks back to the pool."""
         # Tail first, so a request's later blocks are evicted before its earlier ones.
         self.pool.free_blocks(reversed(self.pop_blocks(rid)))
 
     def take_cow(self) -> list[tuple[Block, Block]]:
+        """The (source, copy) pairs queued since the last call."""
         pending, self.pending_cow = self.pending_cow, []
         return pending
 
     def new_step(self) -> None:
+        """A scheduling step starts."""
         return None
 
 

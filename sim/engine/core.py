@@ -34,6 +34,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
+    """Everything that shapes one simulated engine (model, cache layout, limits, speed)."""
+
     model: str = "kvroute-sim"
     lora_adapters: tuple[str, ...] = ()
     profile: str = "dense"
@@ -80,6 +82,8 @@ class EngineConfig:
 
 @dataclass(slots=True)
 class GenerateRequest:
+    """One generation request as the engine takes it (prompt tokenized, checks done)."""
+
     request_id: str
     prompt_ids: list[int]
     max_tokens: int
@@ -106,6 +110,8 @@ class TokenOutput:
 
 @dataclass(slots=True)
 class RequestHandle:
+    """A submitted request: its output queue and what the API reports about it."""
+
     request: GenerateRequest
     arrival: float
     queue: asyncio.Queue[TokenOutput] = field(default_factory=asyncio.Queue)
@@ -172,10 +178,12 @@ class Engine:
 
     # ---- lifecycle ----------------------------------------------------------------------
     async def start(self) -> None:
+        """Start the engine loop (a task on the running event loop)."""
         if self._task is None:
             self._task = asyncio.create_task(self._run(), name="sim-engine")
 
     async def stop(self) -> None:
+        """Stop the loop; requests in flight end as aborted."""
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -186,6 +194,8 @@ class Engine:
 
     # ---- requests -----------------------------------------------------------------------
     def submit(self, req: GenerateRequest) -> RequestHandle:
+        """Queue a request; its tokens arrive on the handle's queue. EngineOverloaded when the
+        waiting queue is full, EngineError for a duplicate id."""
         if req.request_id in self.handles:
             raise EngineError(f"request id {req.request_id!r} is already running")
         if self.scheduler.num_waiting >= self.config.max_waiting:
@@ -263,6 +273,7 @@ class Engine:
 
     # ---- faults ---------------------------------------------------------------------------
     def set_hang(self, hang: bool) -> None:
+        """Freeze (or release) the engine loop and the gated API routes."""
         if hang:
             self._unhung.clear()
         else:
@@ -270,9 +281,11 @@ class Engine:
 
     @property
     def hung(self) -> bool:
+        """Whether the engine is frozen by the hang fault."""
         return not self._unhung.is_set()
 
     async def wait_unhung(self) -> None:
+        """Wait until the engine is not frozen."""
         await self._unhung.wait()
 
     # ---- the loop ---------------------------------------------------------------------------

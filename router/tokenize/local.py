@@ -1,0 +1,233 @@
+"""Exact ids in the router: a model directory's tokenizer and chat template, applied as vLLM
+applies them, with a per-conversation prefix cache. Synchronous; the service runs it off the
+event loop."""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from router.tokenize.chat_request import (
+    NotExact,
+    build_conversation,
+    chat_options,
+    developer_to_system,
+)
+from router.tokenize.encoder import TextEncoder
+from router.tokenize.errors import TokenizeError
+from router.tokenize.model_dir import ModelFiles, load_model_dir
+from router.tokenize.prefix_cache import PrefixCache
+from router.tokenize.request_ids import validate_ids
+from router.tokenize.spec import TokenizerSpec
+from router.tokenize.template import ChatTemplate, RenderInput, choose_template, make_environment
+
+# Encodes pieces of text (without special tokens); the default runs in the calling thread, the
+# service can substitute one that ships the work to a process pool.
+PieceEncoder = Callable[[Sequence[str]], list[list[int]]]
+
+_REQUEST_TEMPLATES_KEPT = 16
+
+
+@dataclass(frozen=True, slots=True)
+class EncodeStats:
+    """What one encode did: tokens taken from the prefix cache, tokens encoded now."""
+
+    reused_tokens: int
+    encoded_tokens: int
+    cache_hit: bool
+
+
+class LocalTokenizer:
+    """Renders and tokenizes requests for one model. Thread-safe."""
+
+    def __init__(
+        self,
+        spec: TokenizerSpec,
+        files: ModelFiles,
+        *,
+        cache: PrefixCache,
+        cache_seed: int = 0,
+        verify_every: int = 0,
+        on_mismatch: Callable[[], None] | None = None,
+    ) -> None:
+        self.spec = spec
+        self.encoder = TextEncoder(files.tokenizer)
+        self._special_tokens = dict(files.special_tokens)
+        self._env = make_environment()
+        self._templates = dict(files.templates)
+        self._compiled: dict[str, ChatTemplate] = {}
+        # Client-supplied templates (only with trust_request_chat_template), bounded.
+        self._request_compiled: OrderedDict[str, ChatTemplate] = OrderedDict()
+        self._lock = threading.Lock()
+        self.cache = cache
+        self._cache_seed = cache_seed
+        self._cache_enabled = self.encoder.has_anchors
+        self._verify_every = verify_every
+        self._verify_count = 0
+        self._on_mismatch = on_mismatch
+        for source in set(self._templates.values()):
+            self._compiled[source] = ChatTemplate(source, self._env)
+
+    @classmethod
+    def from_spec(cls, spec: TokenizerSpec, *, cache: PrefixCache, **kw: Any) -> LocalTokenizer:
+        if spec.path is None:
+            raise ValueError("mode 'local' needs a model directory path")
+        return cls(spec, load_model_dir(spec.path, spec.chat_template), cache=cache, **kw)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.encoder.vocab_size
+
+    @property
+    def cache_enabled(self) -> bool:
+        return self._cache_enabled
+
+    # ---- templates ------------------------------------------------------------------------
+
+    def _template(self, requested: str | None, has_tools: bool) -> ChatTemplate:
+        source = choose_template(self._templates, requested, has_tools)
+        if source is None:
+            raise NotExact("no_chat_template")
+        with self._lock:
+            compiled = self._compiled.get(source) or self._request_compiled.get(source)
+            if compiled is not None:
+                if source in self._request_compiled:
+                    self._request_compiled.move_to_end(source)
+                return compiled
+        try:
+            compiled = ChatTemplate(source, self._env)
+        except ValueError as exc:
+            raise TokenizeError(str(exc), param="chat_template") from exc
+        with self._lock:
+            self._request_compiled[source] = compiled
+            while len(self._request_compiled) > _REQUEST_TEMPLATES_KEPT:
+                self._request_compiled.popitem(last=False)
+        return compiled
+
+    # ---- public ---------------------------------------------------------------------------
+
+    def render_chat(self, body: Mapping[str, Any]) -> tuple[str, bool]:
+        """(prompt text, add_special_tokens) for a chat completion body."""
+        opts = chat_options(body, self.spec)
+        template = self._template(opts.request_template, opts.tools is not None)
+        fmt = (
+            template.content_format
+            if self.spec.content_format == "auto"
+            else self.spec.content_format
+        )
+        conversation = build_conversation(opts.messages, fmt)
+        if not template.knows_developer_role:
+            conversation = developer_to_system(conversation)
+        text = template.render(
+            RenderInput(
+                messages=conversation,
+                tools=opts.tools,
+                documents=opts.documents,
+                add_generation_prompt=opts.add_generation_prompt,
+                continue_final_message=opts.continue_final_message,
+                kwargs=opts.template_kwargs(template.variables),
+            ),
+            self._special_tokens,
+        )
+        return text, opts.add_special_tokens
+
+    def chat_ids(
+        self, body: Mapping[str, Any], encode: PieceEncoder | None = None
+    ) -> tuple[list[int], EncodeStats]:
+        text, add_special = self.render_chat(body)
+        return self.text_ids(text, add_special, encode)
+
+    def text_ids(
+        self, text: str, add_special_tokens: bool, encode: PieceEncoder | None = None
+    ) -> tuple[list[int], EncodeStats]:
+        """Ids of `text` (from the prefix cache where possible), bounded by the spec."""
+        if len(text) > self.spec.max_prompt_tokens * 64:
+            raise TokenizeError("the prompt is too long", param="messages")
+        enc = encode or self.encoder.encode_pieces
+        try:
+            ids, stats = (
+                self._ids_cached(text, enc) if self._cache_enabled else self._ids_plain(text, enc)
+            )
+        except (TypeError, ValueError, UnicodeError, OverflowError) as exc:
+            # e.g. lone surrogates in the text: the engine cannot tokenize it either.
+            raise NotExact("encode_error") from exc
+        if add_special_tokens:
+            ids = self.encoder.add_special(ids, text)
+        if len(ids) > self.spec.max_prompt_tokens:
+            raise TokenizeError(
+                f"the prompt has {len(ids)} tokens, more than {self.spec.max_prompt_tokens}",
+                param="messages",
+            )
+        return ids, stats
+
+    def completion_ids(
+        self, body: Mapping[str, Any], encode: PieceEncoder | None = None
+    ) -> tuple[list[int], EncodeStats]:
+        """Ids for a completions body whose prompt is text (ids prompts are handled earlier)."""
+        if body.get("prompt_embeds") is not None:
+            raise NotExact("prompt_embeds")
+        if body.get("suffix") is not None:
+            raise NotExact("suffix")
+        if body.get("truncate_prompt_tokens") is not None:
+            raise NotExact("truncation")
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if not isinstance(prompt, str):
+            raise TokenizeError(
+                "`prompt` must be a string, a list of strings or token ids", param="prompt"
+            )
+        add_special = body.get("add_special_tokens", True)
+        if not isinstance(add_special, bool):
+            raise TokenizeError(
+                "`add_special_tokens` must be a boolean", param="add_special_tokens"
+            )
+        return self.text_ids(prompt, add_special, encode)
+
+    def check_ids(self, ids: Any, param: str) -> list[int]:
+        return validate_ids(
+            ids, param=param, vocab_size=self.vocab_size, max_len=self.spec.max_prompt_tokens
+        )
+
+    # ---- encoding -------------------------------------------------------------------------
+
+    def _ids_plain(self, text: str, encode: PieceEncoder) -> tuple[list[int], EncodeStats]:
+        ids = encode([text])[0]
+        return ids, EncodeStats(reused_tokens=0, encoded_tokens=len(ids), cache_hit=False)
+
+    def _ids_cached(self, text: str, encode: PieceEncoder) -> tuple[list[int], EncodeStats]:
+        digests = self.cache.digests(text, self._cache_seed)
+        hit = self.cache.lookup(text, digests)
+        start, prefix = (hit.anchor, hit.ids) if hit is not None else (0, [])
+        cut = self.encoder.cache_anchor(text, start)
+        pieces = [text[start:cut], text[cut:]] if cut is not None else [text[start:]]
+        encoded = encode(pieces)
+        ids = prefix + encoded[0]
+        if cut is not None:
+            self.cache.insert(text, digests, cut, ids)
+            ids = ids + encoded[1]
+        new = sum(len(p) for p in encoded)
+        if hit is not None and self._verify_every > 0:
+            ids = self._verify(text, ids, encode)
+        return ids, EncodeStats(
+            reused_tokens=len(prefix), encoded_tokens=new, cache_hit=hit is not None
+        )
+
+    def _verify(self, text: str, ids: list[int], encode: PieceEncoder) -> list[int]:
+        """Every n-th cache hit, tokenize from scratch too; on a difference stop caching for
+        this model (and return the from-scratch ids)."""
+        with self._lock:
+            self._verify_count += 1
+            due = self._verify_count % self._verify_every == 0
+        if not due:
+            return ids
+        fresh = encode([text])[0]
+        if fresh != ids:
+            self._cache_enabled = False
+            self.cache.clear()
+            if self._on_mismatch is not None:
+                self._on_mismatch()
+        return fresh

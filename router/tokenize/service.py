@@ -1,0 +1,240 @@
+"""`Tokenizers`: the router's one entry point for exact token ids (see the package docstring)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, TypeVar
+
+from prometheus_client import CollectorRegistry
+
+from router.tokenize.chat_request import NotExact
+from router.tokenize.errors import TokenizeError
+from router.tokenize.local import EncodeStats, LocalTokenizer
+from router.tokenize.metrics import TokenizeMetrics
+from router.tokenize.prefix_cache import PrefixCache
+from router.tokenize.ratelog import RateLimitedLog
+from router.tokenize.render_client import AiohttpPoster, JsonPoster, RenderClient
+from router.tokenize.request_ids import engine_ids, hinted_ids, validate_ids
+from router.tokenize.spec import TokenizedPrompt, TokenizerSpec
+
+log = logging.getLogger("kvroute.tokenize")
+
+_DEFAULT_KEY = "_default"
+_RELOAD_AFTER_S = 60.0
+T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class _LoadFailure:
+    at: float
+    error: str
+
+
+class Tokenizers:
+    """Exact token ids per model: locally, from the engine's render endpoint, or from the
+    request. Cheap to construct (no I/O); local tokenizers load in `start()` or on first use,
+    off the event loop. Safe to call concurrently."""
+
+    def __init__(
+        self,
+        specs: Mapping[str, TokenizerSpec],
+        *,
+        default: TokenizerSpec | None = None,
+        threads: int = 2,
+        cache_entries: int = 4096,
+        cache_bytes: int = 256 << 20,
+        render_timeout_s: float = 5.0,
+        registry: CollectorRegistry | None = None,
+        http: JsonPoster | None = None,
+        verify_every: int = 1000,
+    ) -> None:
+        if threads < 1:
+            raise ValueError("threads must be >= 1")
+        self._specs = dict(specs)
+        self._default = default
+        self._threads = threads
+        self._executor: ThreadPoolExecutor | None = None
+        self._cache = PrefixCache(max_entries=cache_entries, max_bytes=cache_bytes)
+        self._metrics = TokenizeMetrics(registry)
+        self._metrics.watch_cache(self._cache.stats)
+        self._own_poster = AiohttpPoster() if http is None else None
+        self._render = RenderClient(http or self._own_poster or AiohttpPoster(), render_timeout_s)
+        self._verify_every = verify_every
+        self._local: dict[str, LocalTokenizer | _LoadFailure] = {}
+        self._load_locks: dict[str, asyncio.Lock] = {}
+        self._seeds = {key: i + 1 for i, key in enumerate([*self._specs, _DEFAULT_KEY])}
+        self._log = RateLimitedLog(log)
+
+    # ---- lifecycle ------------------------------------------------------------------------
+
+    def _pool(self) -> ThreadPoolExecutor:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(
+                self._threads, thread_name_prefix="kvroute-tokenize"
+            )
+        return self._executor
+
+    async def _run(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._pool(), partial(fn, *args))
+
+    async def start(self) -> None:
+        """Load every local tokenizer now (failures are logged; those models get no ids)."""
+        keys = [(k, s) for k, s in self._specs.items() if s.mode == "local"]
+        if self._default is not None and self._default.mode == "local":
+            keys.append((_DEFAULT_KEY, self._default))
+        await asyncio.gather(*(self._local_for(k, s) for k, s in keys))
+
+    async def aclose(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
+        if self._own_poster is not None:
+            await self._own_poster.aclose()
+
+    # ---- the call -------------------------------------------------------------------------
+
+    async def token_ids(
+        self, model: str, endpoint: str, body: dict[str, Any], worker_url_for_render: str | None
+    ) -> TokenizedPrompt | None:
+        """The ids the engine will prefill for this request, or None when they cannot be known
+        (the router then routes without cache evidence). Raises TokenizeError when the request
+        is malformed (the router answers 400). Never mutates `body`."""
+        key = model if model in self._specs else _DEFAULT_KEY
+        spec = self._specs.get(model, self._default)
+        if spec is None:
+            self._unavailable(key, "no_spec")
+            return None
+        started = time.perf_counter()
+        try:
+            result = await self._token_ids(key, spec, endpoint, body, worker_url_for_render)
+        except TokenizeError:
+            self._metrics.results.labels(key, "client_error").inc()
+            raise
+        except NotExact as exc:
+            self._unavailable(key, exc.reason)
+            return None
+        self._metrics.seconds.labels(spec.mode).observe(time.perf_counter() - started)
+        self._metrics.results.labels(key, result.source).inc()
+        return result
+
+    def _unavailable(self, key: str, reason: str) -> None:
+        self._metrics.results.labels(key, "unavailable").inc()
+        self._metrics.unavailable.labels(key, reason).inc()
+
+    async def _token_ids(
+        self,
+        key: str,
+        spec: TokenizerSpec,
+        endpoint: str,
+        body: Mapping[str, Any],
+        worker_url: str | None,
+    ) -> TokenizedPrompt:
+        local = await self._local_for(key, spec) if spec.mode == "local" else None
+        vocab = local.vocab_size if local is not None else spec.vocab_size
+        carried = engine_ids(endpoint, body)
+        if carried is None and spec.mode == "request":
+            carried = hinted_ids(endpoint, body)
+        if carried is not None:
+            ids = validate_ids(
+                carried[0], param=carried[1], vocab_size=vocab, max_len=spec.max_prompt_tokens
+            )
+            return TokenizedPrompt(ids, "request")
+        if spec.mode == "request":
+            raise NotExact("no_ids_in_request")
+        if spec.mode == "render":
+            if worker_url is None:
+                raise NotExact("no_worker")
+            res = await self._render.ids(endpoint, body, worker_url)
+            if res.ids is None:
+                self._log.warning(
+                    f"render:{key}:{res.reason}",
+                    "no ids from %s for model %s: %s",
+                    worker_url,
+                    key,
+                    res.reason,
+                )
+                raise NotExact(f"render_{res.reason}")
+            return TokenizedPrompt(res.ids, "render")
+        if local is None:
+            raise NotExact("load_failed")
+        ids, stats = await self._run(self._local_ids, local, endpoint, body)
+        self._count(key, stats)
+        return TokenizedPrompt(ids, "local")
+
+    @staticmethod
+    def _local_ids(
+        local: LocalTokenizer, endpoint: str, body: Mapping[str, Any]
+    ) -> tuple[list[int], EncodeStats]:
+        if endpoint == "/v1/chat/completions":
+            return local.chat_ids(body)
+        if endpoint == "/v1/completions":
+            return local.completion_ids(body)
+        if endpoint == "/v1/embeddings":
+            text = body.get("input")
+            if isinstance(text, list) and text and isinstance(text[0], str):
+                text = text[0]
+            if not isinstance(text, str) or body.get("truncate_prompt_tokens") is not None:
+                raise NotExact("embeddings_input")
+            add_special = body.get("add_special_tokens", True)
+            if not isinstance(add_special, bool):
+                raise TokenizeError(
+                    "`add_special_tokens` must be a boolean", param="add_special_tokens"
+                )
+            return local.text_ids(text, add_special)
+        raise NotExact("endpoint_not_local")
+
+    def _count(self, key: str, stats: EncodeStats) -> None:
+        self._metrics.lookups.labels("hit" if stats.cache_hit else "miss").inc()
+        if stats.reused_tokens:
+            self._metrics.tokens.labels(key, "reused").inc(stats.reused_tokens)
+        self._metrics.tokens.labels(key, "encoded").inc(stats.encoded_tokens)
+
+    # ---- local tokenizers -----------------------------------------------------------------
+
+    async def _local_for(self, key: str, spec: TokenizerSpec) -> LocalTokenizer | None:
+        found = self._local.get(key)
+        if isinstance(found, LocalTokenizer):
+            return found
+        if isinstance(found, _LoadFailure) and time.monotonic() - found.at < _RELOAD_AFTER_S:
+            return None
+        lock = self._load_locks.setdefault(key, asyncio.Lock())
+        async with lock:
+            found = self._local.get(key)
+            if isinstance(found, LocalTokenizer):
+                return found
+            if isinstance(found, _LoadFailure) and time.monotonic() - found.at < _RELOAD_AFTER_S:
+                return None
+            try:
+                loaded: LocalTokenizer = await self._run(
+                    partial(
+                        LocalTokenizer.from_spec,
+                        spec,
+                        cache=self._cache,
+                        cache_seed=self._seeds.get(key, 0),
+                        verify_every=self._verify_every,
+                        on_mismatch=partial(self._on_mismatch, key),
+                    )
+                )
+            except Exception as exc:  # a broken model directory must not take the router down
+                self._local[key] = _LoadFailure(time.monotonic(), str(exc))
+                self._metrics.load_failures.labels(key).inc()
+                log.error("cannot load the tokenizer for model %s from %s: %s", key, spec.path, exc)
+                return None
+            self._local[key] = loaded
+            if not loaded.cache_enabled:
+                log.info("model %s: no anchor tokens, prefix cache off (full tokenization)", key)
+            return loaded
+
+    def _on_mismatch(self, key: str) -> None:
+        self._metrics.mismatches.labels(key).inc()
+        log.error(
+            "model %s: prefix-cached ids differed from a full tokenization; prefix cache "
+            "disabled for this model (please report the model's tokenizer)",
+            key,
+        )

@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: test demo install vllm-env helm-lib lint typecheck proto bench clean
+.PHONY: test demo install vllm-env helm-lib lint typecheck proto bench bench-peers clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -63,8 +63,20 @@ test: $(STAMP) $(VLLM_STAMP) $(HELM_LIB)
 demo: $(STAMP)
 	$(VENV)/bin/kvroute demo
 
+# Peer routers for the benchmarks (smg, vllm-router from PyPI), in their own venv.
+PEERS_VENV ?= .venv-peers
+$(PEERS_VENV)/.installed: bench/requirements-peers.txt
+	$(PYTHON) -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/pip install -q -r bench/requirements-peers.txt
+	touch $(PEERS_VENV)/.installed
+
+bench-peers: $(PEERS_VENV)/.installed
+
+# Every benchmark in sequence; regenerates bench/results/SUMMARY.md. Runs without the peer
+# routers (and says so) if they cannot be installed.
 bench: $(STAMP)
+	-$(MAKE) bench-peers
 	$(PY) -m bench.run_all
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .tools .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(PEERS_VENV) .tools .mypy_cache .ruff_cache .pytest_cache

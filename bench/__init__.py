@@ -1,0 +1,1 @@
+"""Workloads, load generation and benchmarks for kvroute (see bench/README.md)."""

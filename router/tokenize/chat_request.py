@@ -311,8 +311,21 @@ def _tools(value: Any) -> list[dict[str, Any]] | None:
 # ---- messages -> conversation -------------------------------------------------------------
 
 
-def _part_text(part: Any) -> tuple[str, Any]:
+# Roles of the OpenAI message types. vLLM validates their content parts lazily against a union
+# of part types, and whether bare strings or the Responses API part types pass depends on the
+# rest of the message (measured: `["a"]` is refused, `["a", {"type": "text", ...}]` accepted).
+# The router does not guess: such requests get no ids (custom roles accept them all).
+_OPENAI_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+_RESPONSES_TEXT_TYPES = frozenset({"input_text", "output_text"})
+
+
+def _part_text(part: Any, role: str) -> tuple[str, Any]:
     """(kind, value) of one content part: kind "text" (value str or None), "tool_reference"."""
+    if role in _OPENAI_ROLES and (
+        isinstance(part, str)
+        or (isinstance(part, dict) and part.get("type") in _RESPONSES_TEXT_TYPES)
+    ):
+        raise NotExact("ambiguous_content_part")
     if isinstance(part, str):
         return "text", part
     if not isinstance(part, dict):
@@ -375,7 +388,7 @@ def _content(role: str, raw: Any, fmt: ContentFormat) -> Any:
     if fmt == "openai":
         wrapped: list[dict[str, Any]] = []
         for part in parts:
-            kind, value = _part_text(part)
+            kind, value = _part_text(part, role)
             if value is None:
                 continue
             extras = (
@@ -390,8 +403,8 @@ def _content(role: str, raw: Any, fmt: ContentFormat) -> Any:
         return wrapped
     texts: list[str] = []
     for part in parts:
-        _, value = _part_text(part)
-        if value is not None:
+        _, value = _part_text(part, role)
+        if value:  # vLLM drops empty strings here (but keeps empty parts in the OpenAI format)
             texts.append(str(value))
     return "\n".join(texts)
 
@@ -404,6 +417,8 @@ def _ordered(d: dict[str, Any], order: tuple[str, ...]) -> dict[str, Any]:
 
 
 def _tool_calls(calls: Any) -> list[Any] | None:
+    """Assistant tool calls as vLLM passes them on: validated like its request model (id,
+    type "function", function name and arguments strings), arguments parsed into an object."""
     if not isinstance(calls, list):
         raise TokenizeError("`tool_calls` must be a list", param="tool_calls")
     if not calls:
@@ -413,26 +428,28 @@ def _tool_calls(calls: Any) -> list[Any] | None:
         if not isinstance(call, dict):
             raise TokenizeError("assistant tool_calls entries must be objects.", param="tool_calls")
         fn = call.get("function")
-        if call.get("type", "function") != "function" or not isinstance(fn, dict):
+        if call.get("type") != "function" or not isinstance(fn, dict):
             raise TokenizeError(
                 "chat completions only support assistant tool_calls of type 'function'.",
                 param="tool_calls",
             )
+        if not isinstance(call.get("id"), str):
+            raise TokenizeError("each tool call needs an `id` string", param="tool_calls")
+        if not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments"), str):
+            raise TokenizeError(
+                "each tool call needs `function.name` and `function.arguments` strings",
+                param="tool_calls",
+            )
         fn = _ordered(dict(fn), ("arguments", "name"))
-        args = fn.get("arguments")
-        if not args:
-            fn["arguments"] = {}
-        elif not isinstance(args, dict):
-            parsed: Any = None
-            if isinstance(args, str):
-                try:
-                    parsed = json.loads(args)
-                except json.JSONDecodeError:
-                    parsed = None
-            else:
-                parsed = args
-            # vLLM keeps the conversation going with {} when arguments are not a JSON object.
-            fn["arguments"] = parsed if isinstance(parsed, dict) else {}
+        args = fn["arguments"]
+        parsed: Any = None
+        if args:
+            try:
+                parsed = json.loads(args)
+            except json.JSONDecodeError:
+                parsed = None
+        # vLLM keeps the conversation going with {} when arguments are not a JSON object.
+        fn["arguments"] = parsed if isinstance(parsed, dict) else {}
         call = _ordered(dict(call), ("id", "function", "type"))
         call["function"] = fn
         out.append(call)
@@ -469,7 +486,9 @@ def build_conversation(messages: list[dict[str, Any]], fmt: ContentFormat) -> li
                 else:
                     texts = [p.get("text", "") for p in content if isinstance(p, dict)]
                     out["content"] = "\n".join(texts) if texts else ""
-        if isinstance(msg.get("name"), str):
+        if "name" in msg:
+            if not isinstance(msg["name"], str):
+                raise TokenizeError("a message `name` must be a string", param="messages")
             out["name"] = msg["name"]
         if isinstance(msg.get("task"), str):
             out["task"] = msg["task"]

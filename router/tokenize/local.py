@@ -156,6 +156,8 @@ class LocalTokenizer:
             raise NotExact("encode_error") from exc
         if add_special_tokens:
             ids = self.encoder.add_special(ids, text)
+        if not ids:
+            raise NotExact("empty_prompt")
         if len(ids) > self.spec.max_prompt_tokens:
             raise TokenizeError(
                 f"the prompt has {len(ids)} tokens, more than {self.spec.max_prompt_tokens}",
@@ -174,6 +176,10 @@ class LocalTokenizer:
         if body.get("truncate_prompt_tokens") is not None:
             raise NotExact("truncation")
         prompt = body.get("prompt")
+        if prompt is None or prompt == "":
+            raise TokenizeError(
+                "Either prompt or prompt_embeds must be provided and non-empty.", param="prompt"
+            )
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             prompt = prompt[0]
         if not isinstance(prompt, str):

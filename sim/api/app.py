@@ -18,7 +18,14 @@ from sim.api import faults as fault_rules
 from sim.api.errors import ApiError, bad_request
 from sim.api.faults import FailurePlan
 from sim.api.openai import Generation
-from sim.api.requests import check_length, parse_chat, parse_completion, render_chat, resolve_model
+from sim.api.requests import (
+    check_length,
+    int_list,
+    parse_chat,
+    parse_completion,
+    render_chat,
+    resolve_model,
+)
 from sim.engine.core import Engine
 from sim.publisher import EventPublisher
 
@@ -216,6 +223,30 @@ def build_app(
             state["events"] = publisher.state()
         return state
 
+    async def probe(request: Request) -> Response:
+        """Oracle for benchmarks: the hit this request would get now (no side effects)."""
+        try:
+            body = await _json(request)
+            if not isinstance(body, dict):
+                raise bad_request("request body must be a JSON object")
+            _, lora = resolve_model(cfg, body.get("model"))
+            ids_field = body.get("prompt_token_ids")
+            if ids_field is not None:
+                ids = int_list(ids_field, "prompt_token_ids")
+                salt = body.get("cache_salt")
+            elif "messages" in body:
+                parsed = parse_chat(body, cfg, engine.tokenizer)
+                ids, salt = parsed.prompts[0], parsed.cache_salt
+            else:
+                parsed = parse_completion(body, cfg, engine.tokenizer)
+                ids, salt = parsed.prompts[0], parsed.cache_salt
+        except ApiError as err:
+            return err.response()
+        hit, per_group = engine.probe(ids, lora, salt if isinstance(salt, str) else None)
+        return JSONResponse(
+            {"prompt_tokens": len(ids), "cached_tokens": hit, "per_group": per_group}
+        )
+
     async def get_faults(_: Request) -> Response:
         return JSONResponse(sim_state())
 
@@ -273,6 +304,7 @@ def build_app(
         Route("/sim/faults", get_faults, methods=["GET"]),
         Route("/sim/faults", post_faults, methods=["POST"]),
         Route("/sim/state", get_faults, methods=["GET"]),
+        Route("/sim/probe", probe, methods=["POST"]),
     ]
     return Starlette(routes=routes, lifespan=lifespan)
 

@@ -71,7 +71,7 @@ def _str_list(body: Mapping[str, Any], key: str) -> list[str]:
     raise bad_request(f"{key} must be a string or a list of strings", key)
 
 
-def _int_list(value: Any, key: str) -> list[int]:
+def int_list(value: Any, key: str) -> list[int]:
     if not isinstance(value, list) or not all(
         isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value
     ):
@@ -106,7 +106,7 @@ def _sampling(body: Mapping[str, Any], chat: bool) -> Sampling:
     return Sampling(
         max_tokens=max_tokens,
         stop=_str_list(body, "stop"),
-        stop_token_ids=[] if stop_ids is None else _int_list(stop_ids, "stop_token_ids"),
+        stop_token_ids=[] if stop_ids is None else int_list(stop_ids, "stop_token_ids"),
         include_stop_str_in_output=_bool(body, "include_stop_str_in_output", False),
         ignore_eos=_bool(body, "ignore_eos", False),
         seed=seed,
@@ -146,9 +146,9 @@ def parse_completion(body: Any, config: EngineConfig, tok: SimTokenizer) -> Pars
     elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
         prompts, texts = [tok.encode(p, add_special) for p in prompt], list(prompt)
     elif isinstance(prompt, list) and prompt and all(isinstance(p, int) for p in prompt):
-        prompts, texts = [_int_list(prompt, "prompt")], [None]
+        prompts, texts = [int_list(prompt, "prompt")], [None]
     elif isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
-        prompts = [_int_list(p, "prompt") for p in prompt]
+        prompts = [int_list(p, "prompt") for p in prompt]
         texts = [None] * len(prompts)
     else:
         raise bad_request("prompt must be a string, a list of strings or token ids", "prompt")

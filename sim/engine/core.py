@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -43,6 +44,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     retention_interval: int | None = 0
     speed: float = 1.0
+    seed: int = 0  # mixed into every request's generation seed
     gpu: GpuModel = DEFAULT_GPU
     model_dir: str = str(MODEL_DIR)
 
@@ -184,7 +186,12 @@ class Engine:
         )
         self.handles[req.request_id] = handle
         self._streams[req.request_id] = OutputStream(
-            req.prompt_ids, self._vocab, self.tokenizer.eos_token_id, req.seed, req.ignore_eos
+            req.prompt_ids,
+            self._vocab,
+            self.tokenizer.eos_token_id,
+            seed=req.seed,
+            ignore_eos=req.ignore_eos,
+            engine_seed=self.config.seed,
         )
         self._update_gauges()
         self._wake.set()
@@ -195,6 +202,26 @@ class Engine:
         if request_id in self.handles:
             self._aborts.append(request_id)
             self._wake.set()
+
+    def probe(
+        self, prompt_ids: Sequence[int], lora_name: str | None, cache_salt: str | None
+    ) -> tuple[int, list[int]]:
+        """(hit, per-group hits) this prompt would get if admitted now; no side effects."""
+        rid = f"probe-{uuid.uuid4().hex}"
+        self.cache.add_request(
+            CacheRequest(
+                rid,
+                tuple(prompt_ids),
+                lora_name=lora_name,
+                lora_id=self.config.lora_id(lora_name) if lora_name else None,
+                lora_path=f"/adapters/{lora_name}" if lora_name else None,
+                cache_salt=cache_salt,
+            )
+        )
+        try:
+            return self.cache.lookup(rid).hit_tokens, self.cache.per_group_hits(rid)
+        finally:
+            self.cache.free(rid)
 
     async def reset_prefix_cache(self) -> bool:
         """vLLM's reset_prefix_cache at the next step boundary (False if blocks are in use)."""

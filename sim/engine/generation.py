@@ -38,8 +38,9 @@ class OutputStream:
         eos_id: int,
         seed: int | None = None,
         ignore_eos: bool = False,
+        engine_seed: int = 0,
     ) -> None:
-        material = repr((seed, list(prompt_ids) if seed is None else None)).encode()
+        material = repr((engine_seed, seed, list(prompt_ids))).encode()
         self._rng = random.Random(hashlib.sha256(material).digest())
         self._vocab = vocab
         self._eos = eos_id

@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import json
 import logging
 import os
 import signal
 import sys
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
+from sim.cache_api import CacheBackend, CacheSpec
 from sim.engine.core import EngineConfig
 from sim.profiles import PROFILES
 from sim.publisher import PublisherConfig
@@ -59,7 +62,36 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--topic", default="", help="ZMQ topic")
     p.add_argument("--no-events", action="store_true", help="do not publish KV events")
     p.add_argument("--no-replay", action="store_true", help="no replay ROUTER socket")
+    p.add_argument(
+        "--cache-backend",
+        choices=("sim", "vllm"),
+        default="sim",
+        help="sim: kvroute's reimplementation; vllm: vLLM's real KVCacheManager "
+        "(sim.vllm_backend, only where vLLM is installed)",
+    )
     p.add_argument("--log-level", default="warning")
+
+
+PROTOCOL_METHODS = (
+    "add_request", "lookup", "split_chunk", "allocate", "advance", "append_token", "preempt",
+    "free", "begin_step", "end_schedule", "end_step", "reset", "usage", "per_group_hits",
+)  # fmt: skip
+
+
+def cache_factory(name: str) -> Callable[[CacheSpec], CacheBackend]:
+    """The cache backend class for --cache-backend (ImportError if vLLM is missing)."""
+    if name == "vllm":
+        cls = importlib.import_module("sim.vllm_backend").VllmCacheBackend
+        missing = [m for m in PROTOCOL_METHODS if not callable(getattr(cls, m, None))]
+        if missing:
+            raise ImportError(
+                f"sim.vllm_backend.VllmCacheBackend lacks {', '.join(missing)} "
+                "(see /work/notes/sim-cache-protocol.md)"
+            )
+        return cast(Callable[[CacheSpec], CacheBackend], cls)
+    from sim.cache import SimCache
+
+    return SimCache
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -88,6 +120,7 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
         "--retention", "none" if args.retention is None else str(args.retention),
         "--speed", str(args.speed), "--seed", str(args.seed),
         "--wire-version", args.wire_version, "--topic", args.topic, "--log-level", args.log_level,
+        "--cache-backend", args.cache_backend,
     ]  # fmt: skip
     for name in args.lora:
         out += ["--lora", name]
@@ -126,7 +159,12 @@ async def _serve(args: argparse.Namespace) -> int:
             wire_version=args.wire_version,
         )
     running = await start_engine(
-        engine_config(args), publisher, host=args.host, port=args.port, log_level=args.log_level
+        engine_config(args),
+        publisher,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        cache_factory=cache_factory(args.cache_backend),
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -159,6 +197,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper())
     try:
         engine_config(args).cache_spec()
+        cache_factory(args.cache_backend)
+    except ImportError as exc:
+        print(
+            f"kvroute sim: --cache-backend {args.cache_backend} unavailable: {exc}", file=sys.stderr
+        )
+        return 2
     except ValueError as exc:
         print(f"kvroute sim: {exc}", file=sys.stderr)
         return 2

@@ -290,11 +290,13 @@ def main(argv: list[str]) -> int:
             print(f"{m.name}: {m.url}  events {m.events}  replay {m.replay}{bridge}",
                   file=sys.stderr)  # fmt: skip
         print(json.dumps(info), flush=True)
+        failed = False
         while not stop.wait(0.5):
-            for problem in fleet.dead():
-                print(f"kvroute sim fleet: {problem}; stopping", file=sys.stderr)
-                stop.set()
+            problems = fleet.dead()
+            if problems:
+                print(f"kvroute sim fleet: {'; '.join(problems)}; stopping", file=sys.stderr)
+                failed = True
                 break
     finally:
         fleet.stop()
-    return 0
+    return 1 if failed else 0

@@ -49,12 +49,16 @@ class PublisherConfig:
 
 
 @dataclass(slots=True)
-class _Faults:
-    drop_next: int = 0
-    drop_from_replay: bool = False
-    malformed: list[str] | None = None  # pending malformed sends: "payload" | "frames"
-    replay_enabled: bool = True
-    restart: bool = False
+class _Control:
+    """A fault applied in queue order, so it affects exactly the batches published after it."""
+
+    kind: str  # "drop" | "malformed" | "restart"
+    count: int = 0
+    from_replay: bool = False
+    malformed: str = "payload"
+
+
+_Item = tuple[float, list[KvEvent]] | _Control | None
 
 
 class EventPublisher:
@@ -63,9 +67,7 @@ class EventPublisher:
     def __init__(self, config: PublisherConfig) -> None:
         self.config = config
         self.layout = replay_layout(config.wire_version)
-        self._queue: queue.Queue[tuple[float, list[KvEvent]] | None] = queue.Queue(
-            config.max_queue_size
-        )
+        self._queue: queue.Queue[_Item] = queue.Queue(config.max_queue_size)
         self._ctx = zmq.Context()
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.SNDHWM, config.hwm)
@@ -81,7 +83,9 @@ class EventPublisher:
         self._ring: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self._seq = 0
         self._lock = threading.Lock()
-        self._faults = _Faults()
+        self._replay_enabled = True
+        self._drop_next = 0  # owned by the publisher thread
+        self._drop_from_replay = False
         self._thread: threading.Thread | None = None
         self.sent = 0
         self.dropped = 0
@@ -120,26 +124,22 @@ class EventPublisher:
         self._ctx.term()
 
     def drop_next(self, n: int, from_replay: bool = False) -> None:
-        with self._lock:
-            self._faults.drop_next += n
-            self._faults.drop_from_replay = from_replay
+        """Drop the next n batches published from now on from the PUB socket."""
+        self._queue.put(_Control("drop", count=n, from_replay=from_replay))
 
     def send_malformed(self, kind: str = "payload") -> None:
+        """Send one malformed message next: a bad payload (uses a seq) or bad frames."""
         if kind not in ("payload", "frames"):
             raise ValueError(f"malformed kind must be 'payload' or 'frames', not {kind!r}")
-        with self._lock:
-            self._faults.malformed = [*(self._faults.malformed or []), kind]
-        self._queue.put((0.0, []))  # wake the thread
+        self._queue.put(_Control("malformed", malformed=kind))
 
     def set_replay_enabled(self, enabled: bool) -> None:
         with self._lock:
-            self._faults.replay_enabled = enabled
+            self._replay_enabled = enabled
 
     def restart(self) -> None:
         """Like a new engine process: the sequence starts again at 0, the ring is empty."""
-        with self._lock:
-            self._faults.restart = True
-        self._queue.put((0.0, []))
+        self._queue.put(_Control("restart"))
 
     @property
     def next_seq(self) -> int:
@@ -147,16 +147,17 @@ class EventPublisher:
 
     def state(self) -> dict[str, Any]:
         with self._lock:
-            f = self._faults
-            return {
-                "next_seq": self._seq,
-                "sent": self.sent,
-                "dropped": self.dropped,
-                "drop_pending": f.drop_next,
-                "replay_enabled": f.replay_enabled,
-                "replays_served": self.replays_served,
-                "ring": len(self._ring),
-            }
+            replay_enabled = self._replay_enabled
+        return {
+            "next_seq": self._seq,
+            "sent": self.sent,
+            "dropped": self.dropped,
+            "drop_pending": self._drop_next,
+            "replay_enabled": replay_enabled,
+            "replays_served": self.replays_served,
+            "ring": len(self._ring),
+            "queued": self._queue.qsize(),
+        }
 
     def kv_events_config(self) -> dict[str, Any]:
         """vLLM's KVEventsConfig with resolved endpoints (GET /kv_event_sources)."""
@@ -186,25 +187,25 @@ class EventPublisher:
                 continue
             if item is None:
                 return
-            self._apply_pending_faults()
-            ts, events = item
-            if events:
-                self._send(ts, events)
+            if isinstance(item, _Control):
+                self._control(item)
+            else:
+                self._send(*item)
 
-    def _apply_pending_faults(self) -> None:
-        with self._lock:
-            restart, self._faults.restart = self._faults.restart, False
-            malformed, self._faults.malformed = self._faults.malformed, None
-        if restart:
+    def _control(self, c: _Control) -> None:
+        if c.kind == "drop":
+            self._drop_next += c.count
+            self._drop_from_replay = c.from_replay
+        elif c.kind == "restart":
             self._seq = 0
             self._ring.clear()
-        for kind in malformed or []:
+            self._drop_next = 0
+        elif c.kind == "malformed":
             topic = self.config.topic.encode()
-            if kind == "frames":
+            if c.malformed == "frames":
                 self._pub.send_multipart([topic, b"\x00\x01"])  # 2 frames, short seq
             else:
-                seq = self._take_seq()
-                self._pub.send_multipart(live_frames(topic, seq, b"\xc1not msgpack"))
+                self._pub.send_multipart(live_frames(topic, self._take_seq(), b"\xc1not msgpack"))
 
     def _take_seq(self) -> int:
         seq = self._seq
@@ -214,17 +215,14 @@ class EventPublisher:
     def _send(self, ts: float, events: list[KvEvent]) -> None:
         payload = encode_batch(ts, events, self.config.dp_rank, self.config.wire_version)
         seq = self._take_seq()
-        with self._lock:
-            drop = self._faults.drop_next > 0
-            if drop:
-                self._faults.drop_next -= 1
-            from_replay = self._faults.drop_from_replay
+        drop = self._drop_next > 0
         if drop:
+            self._drop_next -= 1
             self.dropped += 1
         else:
             self._pub.send_multipart(live_frames(self.config.topic, seq, payload))
             self.sent += 1
-        if not (drop and from_replay):
+        if not (drop and self._drop_from_replay):
             self._ring.append((seq, payload))
 
     def _serve_replay(self) -> None:
@@ -234,7 +232,7 @@ class EventPublisher:
             except zmq.Again:
                 return
             with self._lock:
-                enabled = self._faults.replay_enabled
+                enabled = self._replay_enabled
             if not enabled:
                 continue
             try:

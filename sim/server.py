@@ -15,12 +15,15 @@ import asyncio
 import contextlib
 import socket
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import uvicorn
 
 from sim.api.app import build_app
+from sim.cache import SimCache
+from sim.cache_api import CacheBackend, CacheSpec
 from sim.engine.core import Engine, EngineConfig
 from sim.publisher import EventPublisher, PublisherConfig
 
@@ -76,12 +79,16 @@ async def start_engine(
     port: int = 0,
     log_level: str = "warning",
     fail_seed: int = 0,
+    cache_factory: Callable[[CacheSpec], CacheBackend] = SimCache,
 ) -> RunningEngine:
-    """Start an engine + its HTTP server (+ event publisher) in the running loop."""
+    """Start an engine + its HTTP server (+ event publisher) in the running loop.
+
+    `cache_factory` picks the cache backend (kvroute's SimCache, or vLLM's real manager via
+    `sim.vllm_backend` inside the vLLM environment)."""
     publisher = EventPublisher(publisher_config) if publisher_config is not None else None
     if publisher is not None:
         publisher.start()
-    engine = Engine(config, publisher=publisher)
+    engine = Engine(config, publisher=publisher, cache_factory=cache_factory)
     app = build_app(engine, publisher, fail_seed=fail_seed)
     sock = bind_socket(host, port)
     server = uvicorn.Server(

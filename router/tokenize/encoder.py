@@ -11,9 +11,9 @@ whole. An *anchor* is such a cut point. It must satisfy:
   with whitespace (so `lstrip`/`rstrip` neighbours cannot eat into it);
 - the longest added token matching at the cut is that token, and no added token occurrence
   starts before the cut and ends after it (else the tokenizer would match that one instead);
-- when the text will later be extended (a cache entry), the anchor ends at least the longest
-  added token's length before the end of the text, so characters appended later cannot form a
-  longer match that starts before the cut.
+- the decision depends only on the characters from `cut - L + 1` to `cut + L` (L = the longest
+  added token). A cache entry is reused only by texts that share them; so a cut for the cache
+  lies at least L characters before the end of the text it was found in.
 
 The piece after a cut starts with the anchor, so offset-sensitive steps (a Metaspace
 pre-tokenizer with prepend scheme "first" prefixes only the piece at offset 0) see the same
@@ -68,6 +68,12 @@ class TextEncoder:
     @property
     def has_anchors(self) -> bool:
         return self._anchor_re is not None
+
+    @property
+    def guard_chars(self) -> int:
+        """How many characters from a cut decide whether the tokenizer matches the anchor there
+        (a later text must share them to reuse the cut)."""
+        return max(1, self.max_added_len)
 
     def _measure_special_wrap(self) -> tuple[list[int], list[int]] | None:
         """(prefix, suffix) ids that add_special_tokens puts around any single text, or None

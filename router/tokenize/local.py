@@ -20,12 +20,11 @@ from router.tokenize.encoder import TextEncoder
 from router.tokenize.errors import TokenizeError
 from router.tokenize.model_dir import ModelFiles, load_model_dir
 from router.tokenize.prefix_cache import PrefixCache
-from router.tokenize.request_ids import validate_ids
 from router.tokenize.spec import TokenizerSpec
 from router.tokenize.template import ChatTemplate, RenderInput, choose_template, make_environment
 
-# Encodes pieces of text (without special tokens); the default runs in the calling thread, the
-# service can substitute one that ships the work to a process pool.
+# Encodes pieces of text (without special tokens). The default is the tokenizer's own batch
+# encoder in the calling thread (the service's thread pool); a caller may pass another one.
 PieceEncoder = Callable[[Sequence[str]], list[list[int]]]
 
 _REQUEST_TEMPLATES_KEPT = 16
@@ -193,11 +192,6 @@ class LocalTokenizer:
             )
         return self.text_ids(prompt, add_special, encode)
 
-    def check_ids(self, ids: Any, param: str) -> list[int]:
-        return validate_ids(
-            ids, param=param, vocab_size=self.vocab_size, max_len=self.spec.max_prompt_tokens
-        )
-
     # ---- encoding -------------------------------------------------------------------------
 
     def _ids_plain(self, text: str, encode: PieceEncoder) -> tuple[list[int], EncodeStats]:
@@ -213,7 +207,7 @@ class LocalTokenizer:
         encoded = encode(pieces)
         ids = prefix + encoded[0]
         if cut is not None:
-            self.cache.insert(text, digests, cut, ids)
+            self.cache.insert(text, digests, cut, cut + self.encoder.guard_chars, ids)
             ids = ids + encoded[1]
         new = sum(len(p) for p in encoded)
         if hit is not None and self._verify_every > 0:

@@ -2,14 +2,16 @@
 
 An entry remembers, for a rendered prompt that was tokenized, the ids of its text up to an
 anchor (a cut where tokenization splits exactly, see `encoder`). A later prompt that starts with
-that same text reuses the ids and tokenizes only from the anchor on.
+that same text *through the anchor and a guard region after it* (the characters that decide
+whether the tokenizer matches the anchor there) reuses the ids and tokenizes only from the
+anchor on.
 
 Finding the longest cached prefix of a new text without comparing it to every entry: texts are
 hashed in fixed chunks (xxh3-128, chained), giving one digest per chunk boundary. An entry is
-filed under the digest of the last chunk boundary before its anchor, plus the few characters
-from that boundary to the anchor (its tail). A lookup walks the new text's boundaries from the
-end and takes the first bucket whose tail matches, which is the entry with the longest usable
-prefix. Cost per lookup: one hashing pass and one dict probe per chunk.
+filed under the digest of the last chunk boundary before its anchor, plus the characters from
+that boundary to the end of the guard region (its tail). A lookup walks the new text's
+boundaries from the end and takes the first bucket whose tail matches, which is the entry with
+the longest usable prefix. Cost per lookup: one hashing pass and one dict probe per chunk.
 
 Bounded by entries and by bytes (ids are stored as 4-byte arrays); least recently used entries
 are evicted first. Thread-safe.
@@ -31,8 +33,8 @@ _ENTRY_OVERHEAD = 200  # bytes counted per entry for its bookkeeping
 @dataclass(slots=True)
 class _Entry:
     key: tuple[int, int]  # (chunk boundary, digest of text[:boundary])
-    tail: str  # text[boundary:anchor]
-    anchor: int  # character position of the anchor
+    tail: str  # text[boundary:guard_end]
+    anchor: int  # character position of the anchor (< guard_end)
     ids: array  # type: ignore[type-arg]  # ids of text[:anchor]
     nbytes: int
 
@@ -89,10 +91,8 @@ class PrefixCache:
                     continue
                 best: _Entry | None = None
                 for entry in bucket.values():
-                    if (
-                        (best is None or entry.anchor > best.anchor)
-                        and entry.anchor <= len(text)
-                        and text.startswith(entry.tail, boundary)
+                    if (best is None or entry.anchor > best.anchor) and text.startswith(
+                        entry.tail, boundary
                     ):
                         best = entry
                 if best is not None:
@@ -100,12 +100,17 @@ class PrefixCache:
                     return CacheHit(anchor=best.anchor, ids=best.ids.tolist())
         return None
 
-    def insert(self, text: str, digests: list[int], anchor: int, ids: list[int]) -> None:
-        """Remember that text[:anchor] tokenizes to `ids`."""
+    def insert(
+        self, text: str, digests: list[int], anchor: int, guard_end: int, ids: list[int]
+    ) -> None:
+        """Remember that text[:anchor] tokenizes to `ids`, valid for any text that shares
+        text[:guard_end] (guard_end > anchor)."""
+        if not anchor < guard_end <= len(text):
+            raise ValueError("need anchor < guard_end <= len(text)")
         k = anchor // self._chunk
         boundary = k * self._chunk
         key = (boundary, digests[k])
-        tail = text[boundary:anchor]
+        tail = text[boundary:guard_end]
         stored = array("I", ids)
         nbytes = stored.itemsize * len(stored) + len(tail) * 4 + _ENTRY_OVERHEAD
         if nbytes > self._max_bytes or self._max_entries == 0:

@@ -129,8 +129,8 @@ class RenderClient:
             status, raw = await self._poster.post_json(url, payload, self._timeout)
         except TimeoutError:
             return 0, b"", "timeout"
-        except Exception:  # the transport's own connect/HTTP errors
-            return 0, b"", "unreachable"
+        except Exception as exc:  # the transport's own errors (e.g. the router's UpstreamTimeout)
+            return 0, b"", "timeout" if "Timeout" in type(exc).__name__ else "unreachable"
         return status, raw, None
 
     def _decode(self, raw: bytes, many: bool) -> RenderResult:

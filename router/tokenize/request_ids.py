@@ -10,14 +10,17 @@ Three places, in the order the router looks at them:
   responses or embeddings body): the client states that these are the ids the engine will
   render. vLLM ignores the field, so a client that sends wrong ids only misroutes itself.
 
-Validation: a non-empty list of ints (not bools), each in [0, vocab size) when the size is known,
-at most the configured maximum length. A violation is the client's fault (TokenizeError, 400).
+Validation: a non-empty list of ints (not bools, not floats), each in [0, vocab size) when the
+size is known, at most the configured maximum length. A violation is the client's fault
+(TokenizeError, 400).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Annotated, Any
+
+import msgspec
 
 from router.tokenize.chat_request import NotExact
 from router.tokenize.errors import TokenizeError
@@ -43,22 +46,37 @@ _MEDIA_KEYS = frozenset(
 EXTENSION_FIELD = "prompt_token_ids"
 
 
+class IdsValidator:
+    """Checks client token ids for one model (in C, via msgspec: ~10 ns per id)."""
+
+    def __init__(self, vocab_size: int | None, max_len: int) -> None:
+        self.vocab_size = vocab_size
+        self.max_len = max_len
+        meta = msgspec.Meta(ge=0) if vocab_size is None else msgspec.Meta(ge=0, lt=vocab_size)
+        self._type: Any = list[Annotated[int, meta]]
+
+    def __call__(self, value: Any, param: str) -> list[int]:
+        """`value` as a list of token ids, or TokenizeError naming `param`."""
+        if not isinstance(value, list) or not value:
+            raise TokenizeError(f"`{param}` must be a non-empty list of token ids", param=param)
+        if len(value) > self.max_len:
+            raise TokenizeError(
+                f"`{param}` has {len(value)} token ids, more than the limit of {self.max_len}",
+                param=param,
+            )
+        try:
+            ids: list[int] = msgspec.convert(value, self._type)
+        except msgspec.ValidationError as exc:
+            # e.g. "Expected `int`, got `str` - at `$[3]`" or "Expected `int` < 1000 - at ..."
+            raise TokenizeError(
+                f"`{param}` must be token ids within the vocabulary: {exc}", param=param
+            ) from exc
+        return ids
+
+
 def validate_ids(value: Any, *, param: str, vocab_size: int | None, max_len: int) -> list[int]:
-    """`value` as a list of token ids, or TokenizeError naming `param`."""
-    if not isinstance(value, list) or not value:
-        raise TokenizeError(f"`{param}` must be a non-empty list of token ids", param=param)
-    if len(value) > max_len:
-        raise TokenizeError(
-            f"`{param}` has {len(value)} token ids, more than the limit of {max_len}", param=param
-        )
-    if not all(type(x) is int for x in value):
-        raise TokenizeError(f"`{param}` must contain only integer token ids", param=param)
-    low, high = min(value), max(value)
-    if low < 0:
-        raise TokenizeError(f"Token id {low} in `{param}` is out of vocabulary", param=param)
-    if vocab_size is not None and high >= vocab_size:
-        raise TokenizeError(f"Token id {high} in `{param}` is out of vocabulary", param=param)
-    return list(value)
+    """One-off form of IdsValidator."""
+    return IdsValidator(vocab_size, max_len)(value, param)
 
 
 def _is_ids(value: Any) -> bool:

@@ -20,7 +20,7 @@ from router.tokenize.metrics import TokenizeMetrics
 from router.tokenize.prefix_cache import PrefixCache
 from router.tokenize.ratelog import RateLimitedLog
 from router.tokenize.render_client import AiohttpPoster, JsonPoster, RenderClient
-from router.tokenize.request_ids import engine_ids, hinted_ids, validate_ids
+from router.tokenize.request_ids import IdsValidator, engine_ids, hinted_ids
 from router.tokenize.spec import TokenizedPrompt, TokenizerSpec
 
 log = logging.getLogger("kvroute.tokenize")
@@ -68,6 +68,7 @@ class Tokenizers:
         self._verify_every = verify_every
         self._local: dict[str, LocalTokenizer | _LoadFailure] = {}
         self._load_locks: dict[str, asyncio.Lock] = {}
+        self._validators: dict[str, IdsValidator] = {}
         self._seeds = {key: i + 1 for i, key in enumerate([*self._specs, _DEFAULT_KEY])}
         self._log = RateLimitedLog(log)
 
@@ -113,8 +114,15 @@ class Tokenizers:
         started = time.perf_counter()
         try:
             result = await self._token_ids(key, spec, endpoint, body, worker_url_for_render)
-        except TokenizeError:
+        except TokenizeError as exc:
             self._metrics.results.labels(key, "client_error").inc()
+            self._log.warning(
+                f"client:{key}:{exc.param}",
+                "model %s: refused a request (%s): %s",
+                key,
+                exc.param,
+                exc,
+            )
             raise
         except NotExact as exc:
             self._unavailable(key, exc.reason)
@@ -141,10 +149,10 @@ class Tokenizers:
         if carried is None and spec.mode == "request":
             carried = hinted_ids(endpoint, body)
         if carried is not None:
-            ids = validate_ids(
-                carried[0], param=carried[1], vocab_size=vocab, max_len=spec.max_prompt_tokens
-            )
-            return TokenizedPrompt(ids, "request")
+            check = self._validators.get(key)
+            if check is None or check.vocab_size != vocab:
+                check = self._validators[key] = IdsValidator(vocab, spec.max_prompt_tokens)
+            return TokenizedPrompt(check(carried[0], carried[1]), "request")
         if spec.mode == "request":
             raise NotExact("no_ids_in_request")
         if spec.mode == "render":

@@ -15,7 +15,13 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from sim.api.errors import ApiError, server_error
 from sim.api.faults import FailurePlan
 from sim.api.requests import ParsedRequest, check_length
-from sim.engine.core import Engine, GenerateRequest, RequestHandle, TokenOutput
+from sim.engine.core import (
+    Engine,
+    EngineOverloaded,
+    GenerateRequest,
+    RequestHandle,
+    TokenOutput,
+)
 
 
 @dataclass(slots=True)
@@ -67,6 +73,14 @@ class Generation:
         max_tokens = check_length(
             len(prompt), req.sampling.max_tokens, self.engine.config.max_model_len
         )
+        try:
+            return self._submit_to_engine(req, prompt, max_tokens, rid)
+        except EngineOverloaded as exc:
+            raise ApiError(str(exc), 503, "ServiceUnavailableError") from exc
+
+    def _submit_to_engine(
+        self, req: ParsedRequest, prompt: list[int], max_tokens: int, rid: str
+    ) -> RequestHandle:
         s = req.sampling
         return self.engine.submit(
             GenerateRequest(

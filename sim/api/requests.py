@@ -176,6 +176,7 @@ def render_chat(body: Mapping[str, Any], tok: SimTokenizer) -> tuple[str, list[i
             messages,
             tools=tools,
             add_generation_prompt=_bool(body, "add_generation_prompt", True),
+            continue_final_message=_bool(body, "continue_final_message", False),
             chat_template_kwargs=kwargs,
         )
     except ChatTemplateError as exc:

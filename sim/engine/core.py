@@ -14,11 +14,11 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from sim.cache import SimCache
-from sim.cache_api import CacheRequest, CacheSpec, GroupSpec
+from sim.cache_api import CacheBackend, CacheRequest, CacheSpec, GroupSpec
 from sim.engine.generation import OutputStream, word_token_ids
 from sim.engine.metrics import EngineMetrics
 from sim.engine.scheduler import Scheduler, StepPlan
@@ -42,6 +42,7 @@ class EngineConfig:
     max_model_len: int = 8192
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    max_waiting: int = 4096  # bound on queued requests; more are refused (503)
     retention_interval: int | None = 0
     speed: float = 1.0
     seed: int = 0  # mixed into every request's generation seed
@@ -119,14 +120,20 @@ class EngineError(RuntimeError):
     """The engine cannot take or finish the request (restart, injected failure)."""
 
 
+class EngineOverloaded(EngineError):
+    """The waiting queue is at its bound (EngineConfig.max_waiting)."""
+
+
 class Engine:
     def __init__(
         self,
         config: EngineConfig,
         tokenizer: SimTokenizer | None = None,
         publisher: EventPublisher | None = None,
+        cache_factory: Callable[[CacheSpec], CacheBackend] = SimCache,
     ) -> None:
         self.config = config
+        self._cache_factory = cache_factory
         self.tokenizer = tokenizer or SimTokenizer(config.model_dir)
         self.publisher = publisher
         self.metrics = EngineMetrics(config.model)
@@ -141,11 +148,12 @@ class Engine:
         self._unhung.set()
         self.slowdown = 1.0
         self.steps = 0
+        self.rejected = 0
         self.busy_seconds = 0.0
         self._task: asyncio.Task[None] | None = None
 
     def _new_core(self) -> None:
-        self.cache = SimCache(self.config.cache_spec())
+        self.cache: CacheBackend = self._cache_factory(self.config.cache_spec())
         self.scheduler = Scheduler(
             self.cache,
             max_num_seqs=self.config.max_num_seqs,
@@ -171,6 +179,11 @@ class Engine:
     def submit(self, req: GenerateRequest) -> RequestHandle:
         if req.request_id in self.handles:
             raise EngineError(f"request id {req.request_id!r} is already running")
+        if self.scheduler.num_waiting >= self.config.max_waiting:
+            self.rejected += 1
+            raise EngineOverloaded(
+                f"the engine already has {self.config.max_waiting} requests waiting; retry later"
+            )
         handle = RequestHandle(req, arrival=time.monotonic())
         lora = req.lora_name
         self.scheduler.add(

@@ -21,7 +21,7 @@ from router.tokenize.spec import TokenizerSpec
 
 pytestmark = pytest.mark.vllm
 SETTINGS = settings(
-    max_examples=int(os.environ.get("KVROUTE_TOKENIZE_EXAMPLES", "120")),
+    max_examples=int(os.environ.get("KVROUTE_TOKENIZE_EXAMPLES", "60")),
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture],
 )
@@ -101,6 +101,16 @@ def test_llama3_openai_content_format_matches_vllm(
     _compare(_local(model_dirs["llama3"]), oracle, model_dirs["llama3"], body)
 
 
+SIM_MODEL = Path(__file__).resolve().parents[2] / "sim" / "model"
+
+
+@SETTINGS
+@given(body=chat_bodies(conversations()))
+def test_sim_model_matches_vllm(oracle: Any, body: dict[str, Any]) -> None:
+    """The simulated engine's shipped model directory (sim/model) as the router would use it."""
+    _compare(_local(SIM_MODEL), oracle, SIM_MODEL, body)
+
+
 @SETTINGS
 @given(body=chat_bodies(metaspace_conversations(), with_tools=False))
 def test_metaspace_matches_vllm(
@@ -110,7 +120,7 @@ def test_metaspace_matches_vllm(
 
 
 @settings(
-    max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(
     kind=st.sampled_from(["chatml", "llama3", "metaspace"]),
@@ -217,6 +227,19 @@ EDGE_BODIES: list[dict[str, Any]] = [
                 ],
             },
             {"role": "tool", "tool_call_id": "1", "content": "r"},
+        ]
+    },
+    # arguments must be a string in the API (vLLM refuses an object)
+    {
+        "messages": [
+            {"role": "user", "content": "q"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {"id": "1", "type": "function", "function": {"name": "f", "arguments": {}}}
+                ],
+            },
         ]
     },
     # empty tool_calls list is dropped

@@ -110,16 +110,20 @@ def _parts(t: str) -> list[dict[str, Any]]:
 content = st.one_of(text, text.map(_parts))
 
 tool_call = st.builds(
-    lambda name, args, raw: {
+    lambda name, args: {
         "id": "call_" + name,
         "type": "function",
-        "function": {"name": name, "arguments": json.dumps(args) if raw else args},
+        "function": {"name": name, "arguments": args},
     },
     st.sampled_from(["get_weather", "search", "add"]),
-    st.dictionaries(
-        st.sampled_from(["city", "q", "a", "b"]), st.one_of(st.integers(), plain_text), max_size=3
+    st.one_of(
+        st.dictionaries(
+            st.sampled_from(["city", "q", "a", "b"]),
+            st.one_of(st.integers(), plain_text),
+            max_size=3,
+        ).map(json.dumps),
+        st.sampled_from(["", "{not json", "[1, 2]", "null"]),
     ),
-    st.booleans(),
 )
 
 

@@ -1,0 +1,354 @@
+"""Tokenization benchmark: exact chat ids for 1K / 8K / 32K-token conversations.
+
+    python -m bench.tokenize_bench            # full run (a minute or two)
+    python -m bench.tokenize_bench --smoke    # seconds; same code paths
+
+Uses the simulated engine's model directory (sim/model: byte-level BPE, ChatML template with
+tools). Conversations alternate user and assistant turns of about 250 tokens of generated text.
+Measured, per size:
+
+- cold: render + tokenize the whole conversation with an empty prefix cache (split into the
+  Jinja render and the encode); the tokenizer is loaded and has seen text before, as in a
+  running router (a freshly loaded `tokenizers` BPE also has an empty word cache: its first
+  encode is several ms slower);
+- multi-turn: the conversation grows turn by turn through one tokenizer; the time of the final
+  turn (its history is in the prefix cache) and how many tokens were encoded for it;
+- executors: the encode of the cold text run on the loop thread itself, in a pool of 1 or 2
+  threads (`encode_batch_fast`, which releases the GIL), or in a pool of 2 processes (text sent
+  to a worker process that holds the tokenizer, ids sent back), one request at a time and 8 at
+  once; plus the event loop's worst stall meanwhile (a ticker coroutine every 1 ms);
+- end to end: `Tokenizers.token_ids` (thread pool + prefix cache), cold and next turn.
+
+Prints a table and writes bench/results/tokenize.json and tokenize.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer
+
+from router.tokenize import Tokenizers, TokenizerSpec
+from router.tokenize.local import LocalTokenizer
+from router.tokenize.prefix_cache import PrefixCache
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = ROOT / "sim" / "model"
+RESULTS = Path(__file__).resolve().parent / "results" / "tokenize.json"
+TURN_TOKENS = 250
+
+
+def _word(rng: random.Random) -> str:
+    syllables = ["ka", "ro", "ute", "cache", "pre", "fix", "to", "ken", "wor", "ker", "lo", "ad",
+                 "hy", "brid", "win", "dow", "ma", "mba", "st", "ate"]  # fmt: skip
+    w = "".join(rng.choice(syllables) for _ in range(rng.randint(1, 3)))
+    roll = rng.random()
+    if roll < 0.05:
+        return str(rng.randint(0, 99999))
+    if roll < 0.10:
+        return w.capitalize() + rng.choice([".", ",", ":", "?"])
+    return w
+
+
+def make_text(rng: random.Random, tokens: int, tok: Tokenizer) -> str:
+    """Generated text of about `tokens` tokens for this tokenizer."""
+    words: list[str] = []
+    text = ""
+    while True:
+        words.extend(_word(rng) for _ in range(40))
+        text = " ".join(words)
+        n = len(tok.encode(text, add_special_tokens=False).ids)
+        if n >= tokens:
+            return text
+
+
+def make_conversation(total_tokens: int, seed: int, tok: Tokenizer) -> list[dict[str, str]]:
+    """System prompt, then user/assistant turns, ending with a user turn: ~total_tokens."""
+    rng = random.Random(seed)
+    messages = [{"role": "system", "content": "You are a helpful assistant. " * 4}]
+    turns = max(1, (total_tokens - 40) // TURN_TOKENS)
+    if turns % 2 == 0:
+        turns -= 1
+    for i in range(max(1, turns)):
+        role = "user" if i % 2 == 0 else "assistant"
+        messages.append({"role": role, "content": make_text(rng, TURN_TOKENS, tok)})
+    return messages
+
+
+def _median_time(fn: Callable[[], Any], reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _new_local() -> LocalTokenizer:
+    return LocalTokenizer.from_spec(
+        TokenizerSpec("local", path=str(MODEL)), cache=PrefixCache(4096, 1 << 28)
+    )
+
+
+# ---- process pool worker ------------------------------------------------------------------
+
+_WORKER_TOKENIZER: list[Tokenizer] = []  # one per worker process (set by the initializer)
+
+
+def _worker_init(path: str) -> None:
+    _WORKER_TOKENIZER.append(Tokenizer.from_file(path))
+
+
+def _worker_encode(text: str) -> list[int]:
+    return list(_WORKER_TOKENIZER[0].encode_batch_fast([text], add_special_tokens=False)[0].ids)
+
+
+def _thread_encode(tok: Tokenizer, text: str) -> list[int]:
+    return list(tok.encode_batch_fast([text], add_special_tokens=False)[0].ids)
+
+
+async def _executor_run(
+    executor: Executor,
+    fn: Callable[..., list[int]],
+    args: Sequence[Any],
+    concurrent: int,
+    rounds: int,
+) -> tuple[float, float]:
+    """(median seconds per request, worst event-loop stall in seconds) for `concurrent` requests
+    at once, `rounds` times."""
+    loop = asyncio.get_running_loop()
+    stall = 0.0
+    done = asyncio.Event()
+
+    async def ticker() -> None:
+        nonlocal stall
+        last = time.perf_counter()
+        while not done.is_set():
+            await asyncio.sleep(0.001)
+            now = time.perf_counter()
+            stall = max(stall, now - last - 0.001)
+            last = now
+
+    tick = asyncio.create_task(ticker())
+    await asyncio.sleep(0.005)
+    stall = 0.0
+    per_request: list[float] = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        await asyncio.gather(
+            *(loop.run_in_executor(executor, fn, *args) for _ in range(concurrent))
+        )
+        per_request.append((time.perf_counter() - t0) / concurrent)
+    done.set()
+    await tick
+    return statistics.median(per_request), stall
+
+
+class _Inline(Executor):
+    """Runs the work on the calling (event loop) thread: the baseline the pools avoid."""
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        from concurrent.futures import Future
+
+        fut: Future[Any] = Future()
+        fut.set_result(fn(*args, **kwargs))
+        return fut
+
+
+def bench_executors(text: str, reps: int) -> dict[str, Any]:
+    """Encode of `text` through: the loop thread itself, 1 and 2 threads, 2 processes."""
+    tok_path = str(MODEL / "tokenizer.json")
+    tok = Tokenizer.from_file(tok_path)
+    out: dict[str, Any] = {}
+
+    def measure(
+        name: str, executor: Executor, fn: Callable[..., list[int]], args: tuple[Any, ...]
+    ) -> None:
+        one, stall1 = asyncio.run(_executor_run(executor, fn, args, 1, reps))
+        eight, stall8 = asyncio.run(_executor_run(executor, fn, args, 8, max(1, reps // 2)))
+        out[name] = {
+            "one_ms": one * 1e3,
+            "eight_ms_per_request": eight * 1e3,
+            "loop_stall_ms": max(stall1, stall8) * 1e3,
+        }
+
+    measure("inline", _Inline(), _thread_encode, (tok, text))
+    for n in (1, 2):
+        with ThreadPoolExecutor(n) as threads:
+            measure(f"thread{n}", threads, _thread_encode, (tok, text))
+    with ProcessPoolExecutor(2, initializer=_worker_init, initargs=(tok_path,)) as procs:
+        list(procs.map(_worker_encode, ["warm up", "warm up"]))
+        measure("process2", procs, _worker_encode, (text,))
+    return out
+
+
+async def _end_to_end(messages: list[dict[str, str]], reps: int) -> dict[str, float]:
+    cold: list[float] = []
+    warm: list[float] = []
+    for _ in range(reps):
+        tz = Tokenizers({"m": TokenizerSpec("local", path=str(MODEL))}, threads=2)
+        await tz.start()
+        t0 = time.perf_counter()
+        await tz.token_ids("m", "/v1/chat/completions", {"model": "m", "messages": messages}, None)
+        cold.append(time.perf_counter() - t0)
+        nxt = [
+            *messages,
+            {"role": "assistant", "content": "Sure."},
+            {"role": "user", "content": "More please."},
+        ]
+        t0 = time.perf_counter()
+        await tz.token_ids("m", "/v1/chat/completions", {"model": "m", "messages": nxt}, None)
+        warm.append(time.perf_counter() - t0)
+        await tz.aclose()
+    return {"cold_ms": statistics.median(cold) * 1e3, "next_turn_ms": statistics.median(warm) * 1e3}
+
+
+def bench_size(total: int, reps: int) -> dict[str, Any]:
+    base_tok = Tokenizer.from_file(str(MODEL / "tokenizer.json"))
+    messages = make_conversation(total, seed=total, tok=base_tok)
+    body = {"model": "m", "messages": messages}
+    probe = _new_local()
+    text, _ = probe.render_chat(body)
+    n_tokens = len(probe.encoder.encode(text))
+
+    render_s = _median_time(lambda: probe.render_chat(body), reps)
+    encode_s = _median_time(lambda: probe.encoder.encode(text), reps)
+
+    def cold() -> None:
+        probe.cache.clear()  # an empty prefix cache (the tokenizer itself stays loaded and warm)
+        probe.chat_ids(body)
+
+    cold_s = _median_time(cold, reps)
+
+    # multi-turn: each request adds the assistant's answer and the next user turn, as a chat
+    # client does; the time of the last request, whose history is in the prefix cache
+    last_times: list[float] = []
+    last_encoded = 0
+    tok = _new_local()
+    for _ in range(reps):
+        tok.cache.clear()
+        for end in range(2, len(messages) + 1, 2):
+            t0 = time.perf_counter()
+            ids, stats = tok.chat_ids({"model": "m", "messages": messages[:end]})
+            elapsed = time.perf_counter() - t0
+        last_times.append(elapsed)
+        last_encoded = stats.encoded_tokens
+    assert ids == probe.encoder.encode(text)
+
+    result: dict[str, Any] = {
+        "tokens": n_tokens,
+        "chars": len(text),
+        "messages": len(messages),
+        "render_ms": render_s * 1e3,
+        "encode_ms": encode_s * 1e3,
+        "cold_ms": cold_s * 1e3,
+        "multi_turn_last_ms": statistics.median(last_times) * 1e3,
+        "multi_turn_last_encoded_tokens": last_encoded,
+        "executors": bench_executors(text, reps),
+        "end_to_end": asyncio.run(_end_to_end(messages, max(1, reps // 2))),
+    }
+    return result
+
+
+EXECUTORS = ("inline", "thread1", "thread2", "process2")
+
+
+def _markdown(results: list[dict[str, Any]], smoke: bool, load: str) -> str:
+    lines = [
+        "# Tokenization (router/tokenize)" + (" — smoke run" if smoke else ""),
+        "",
+        f"Model: sim/model (byte-level BPE, ChatML template). Machine: {os.cpu_count()} cores, "
+        f"Python {platform.python_version()}. Medians.",
+        "",
+        "| tokens | render ms | encode ms | cold ms | next turn (cached) ms "
+        "| encoded on next turn | end to end cold / next turn ms |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        e = r["end_to_end"]
+        lines.append(
+            f"| {r['tokens']} | {r['render_ms']:.2f} | {r['encode_ms']:.2f} | {r['cold_ms']:.2f} | "
+            f"{r['multi_turn_last_ms']:.2f} | {r['multi_turn_last_encoded_tokens']} | "
+            f"{e['cold_ms']:.2f} / {e['next_turn_ms']:.2f} |"
+        )
+    lines += [
+        "",
+        "Where the encode runs (ms; one request alone / per request with 8 at once / worst "
+        "event-loop stall meanwhile):",
+        "",
+        "| tokens | " + " | ".join(EXECUTORS) + " |",
+        "|---:|" + "---:|" * len(EXECUTORS),
+    ]
+    for r in results:
+        cells = []
+        for name in EXECUTORS:
+            x = r["executors"][name]
+            cells.append(
+                f"{x['one_ms']:.1f} / {x['eight_ms_per_request']:.1f} / {x['loop_stall_ms']:.1f}"
+            )
+        lines.append(f"| {r['tokens']} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "- cold: render + encode with an empty prefix cache; next turn: the last turn of a "
+        "conversation grown turn by turn through one tokenizer (history from the prefix cache).",
+        "- inline: on the event loop thread (what the pools avoid); thread1/thread2: a pool "
+        "of 1 or 2 threads (`encode_batch_fast` releases the GIL); process2: 2 worker "
+        "processes holding the tokenizer (text and ids pickled across). The loop stall with "
+        "a pool is CPU oversubscription (pool workers + the loop on 2 cores), not the GIL.",
+        f"- machine load average during the run: {load}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="seconds: 1K tokens, few repetitions")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    sizes = [1024] if args.smoke else [1024, 8192, 32768]
+    reps = 2 if args.smoke else 9
+    results = []
+    for size in sizes:
+        r = bench_size(size, reps)
+        results.append(r)
+        print(
+            f"{r['tokens']:>6} tokens: render {r['render_ms']:.2f} ms, encode "
+            f"{r['encode_ms']:.2f} ms, cold {r['cold_ms']:.2f} ms, next turn "
+            f"{r['multi_turn_last_ms']:.2f} ms ({r['multi_turn_last_encoded_tokens']} encoded)",
+            flush=True,
+        )
+        for name in EXECUTORS:
+            x = r["executors"][name]
+            print(
+                f"        {name:>8}: one {x['one_ms']:.2f} ms, 8 at once "
+                f"{x['eight_ms_per_request']:.2f} ms/request, "
+                f"loop stall {x['loop_stall_ms']:.1f} ms",
+                flush=True,
+            )
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    payload = {
+        "benchmark": "tokenize",
+        "smoke": args.smoke,
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "loadavg": load},
+        "results": results,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(payload, indent=2) + "\n")
+    args.out.with_suffix(".md").write_text(_markdown(results, args.smoke, load))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,21 @@
+"""The tokenization benchmark runs in --smoke mode and writes its results."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from bench import tokenize_bench
+
+
+def test_tokenize_bench_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "tokenize.json"
+    assert tokenize_bench.main(["--smoke", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["benchmark"] == "tokenize" and result["smoke"] is True
+    (row,) = result["results"]
+    assert row["tokens"] > 500 and row["cold_ms"] > 0
+    # the next turn encoded only what was new, not the whole conversation
+    assert 0 < row["multi_turn_last_encoded_tokens"] < row["tokens"]
+    assert set(row["executors"]) == {"inline", "thread1", "thread2", "process2"}
+    assert (tmp_path / "tokenize.md").read_text().startswith("# Tokenization")

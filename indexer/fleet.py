@@ -6,7 +6,7 @@ import dataclasses
 import heapq
 from collections.abc import Container, Iterator, Sequence
 from dataclasses import dataclass
-from itertools import compress
+from itertools import compress, repeat
 
 from indexer.feed import Feed
 from indexer.fleet_score import score_fast
@@ -64,6 +64,7 @@ class FleetIndex:
         self._names: list[str | None] = []  # by worker index
         self._free: list[int] = []  # reusable indexes (a heap: keep bitsets short)
         self._plan: Plan | None = None
+        self._template: dict[str, int | None] = {}
         self._spec = Expectations(max_expectations_per_worker, max_expected_keys)
 
     # -- workers and events -----------------------------------------------------------------
@@ -178,7 +179,13 @@ class FleetIndex:
 
     def _current_plan(self) -> Plan:
         if self._plan is None:
-            self._plan = build_plan({w.index: w.lineage.layout() for w in self._workers.values()})
+            plan = build_plan({w.index: w.lineage.layout() for w in self._workers.values()})
+            # the answer before any hit: 0 for usable workers, None for the others
+            self._template = {
+                name: (0 if plan.usable >> w.index & 1 else None)
+                for name, w in self._workers.items()
+            }
+            self._plan = plan
         return self._plan
 
     def _select(self, bits: int) -> Iterator[str]:
@@ -200,15 +207,9 @@ class FleetIndex:
     def score_keys(self, keys: Sequence[int], n_tokens: int) -> dict[str, int | None]:
         """`score` from `content_keys` the caller already computed."""
         plan = self._current_plan()
-        result: dict[str, int | None] = dict.fromkeys(self._workers, 0)
-        every = 0
-        for w in self._workers.values():
-            every |= 1 << w.index
-        unusable = every & ~plan.usable
-        if unusable:
-            result.update(dict.fromkeys(self._select(unusable), None))
+        result = self._template.copy()
         for tokens, bits in score_fast(plan, self._inv.slots, keys, n_tokens, self.hash_unit):
-            result.update(dict.fromkeys(self._select(bits), tokens))
+            result.update(zip(self._select(bits), repeat(tokens)))
         for index in plan.fallback:
             name = self._names[index]
             assert name is not None

@@ -313,6 +313,14 @@ class Lineage:
         data = tokens_to_bytes(e.token_ids[:])
         width = bs * 4
         step = bs // unit
+        if base is not None and base.matchable:
+            self._store_keyed(
+                slot,
+                hashes,
+                base,
+                chain_keys(data, base.tokens // unit, base.seed, unit)[step - 1 :: step],
+            )
+            return
         base_j = 0  # the index of the first block after `base`
         keys: list[int] | None = None
         prev = parent
@@ -338,6 +346,28 @@ class Lineage:
                         base, base_j, keys = self._base(h, lora, salt, unmatchable), j + 1, None
             self._add_copy(slot, h)
             prev = h
+
+    def _store_keyed(
+        self, slot: int, hashes: list[bytes], base: _Base, block_keys: list[int]
+    ) -> None:
+        """The common case of a dense store: every block's content key is known."""
+        res, unm, pend, waiting = self._res, self._unm, self._pend, self._waiting
+        add = self._sink.add
+        ns = base.namespace
+        for h, key in zip(hashes, block_keys, strict=True):
+            old = res.get(h)
+            if old is None:
+                if h in unm or h in pend:
+                    self._resolve(h, key, ns)
+                else:
+                    res[h] = key
+                    if ns is not DEFAULT_NAMESPACE:
+                        self._ns[h] = ns
+                if h in waiting:
+                    self._cascade(h)
+            elif old != key:
+                raise Conflict("a hash learned with different content or position")
+            add(slot, key)
 
     def _wait(
         self, parent: bytes, h: bytes, data: bytes, lora: str, salt: str, unmatchable: bool

@@ -236,7 +236,10 @@ def validate(c: RouterConfig) -> list[str]:
         if m.chat_template is not None:
             need(Path(m.chat_template).is_file(), f"{where}.chat_template: no such file")
         if m.alignment is not None:
-            need(m.alignment > 0, f"{where}.alignment: expected > 0")
+            need(
+                m.alignment > 0 and m.alignment % c.policy.hash_unit == 0,
+                f"{where}.alignment: expected a positive multiple of policy.hash_unit",
+            )
     t = c.tokenizer.default
     if t is not None and t not in TOKENIZER_MODES:
         need(Path(t).is_dir(), f"tokenizer.default: no such directory {t}")

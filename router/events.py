@@ -27,6 +27,7 @@ from proto import events_pb2
 from router.config import EventsConfig
 from router.index_view import IndexView
 from router.metrics import RouterMetrics
+from router.tokenize.ratelog import RateLimitedLog
 from router.workers import Worker
 
 log = logging.getLogger("kvroute.router.events")
@@ -133,6 +134,7 @@ class EventSubscriptions:
         self._restarting: set[str] = set()
         self._started = False
         self._pending: list[Worker] = []
+        self._ratelog = RateLimitedLog(log, interval_s=10.0)
 
     # -- registry listener --------------------------------------------------------------
     def worker_added(self, worker: Worker) -> None:
@@ -221,6 +223,10 @@ class EventSubscriptions:
                         continue  # a resync: subscribe again at once, from a snapshot
                     session.cancel()
                     raise
+                except Exception as exc:  # a transport bug: keep following, with backoff
+                    self._ratelog.error(name, "events %s: subscription failed: %r", name, exc)
+                    status.last_error = repr(exc)
+                    got_message = False
                 self._mark_lost(name, status)
                 if got_message:
                     delay = self._cfg.reconnect_initial_s
@@ -246,7 +252,17 @@ class EventSubscriptions:
                     if resumed:  # the view we kept is current again
                         self._go_live(name, status)
                     continue
-                self._handle(name, status, message)
+                try:
+                    self._handle(name, status, message)
+                except Exception as exc:  # a bad message must not kill the subscription
+                    self._ratelog.error(
+                        name, "events %s: cannot apply a message (%s); resynchronising", name, exc
+                    )
+                    self._metrics.child(self._metrics.resyncs, name, "apply_error").inc()
+                    self._index.invalidate(name)
+                    self._points[name] = ResumePoint()
+                    status.last_error = f"apply failed: {exc}"
+                    return got
                 point.observe(message)
             status.last_error = "stream ended"
         except grpc.aio.AioRpcError as exc:

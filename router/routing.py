@@ -8,6 +8,7 @@ worker.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
@@ -19,7 +20,10 @@ from router.index_view import IndexView
 from router.metrics import RouterMetrics
 from router.openai_request import ClientRequest
 from router.policy import Decision, FullAttentionOnlyPolicy, Policy, RouteInput, session_key
+from router.tokenize.ratelog import RateLimitedLog
 from router.workers import ModelRoute, Worker, WorkerRegistry
+
+log = logging.getLogger("kvroute.router.routing")
 
 _EMPTY: Mapping[str, int | None] = {}
 BYTES_PER_TOKEN_ESTIMATE = 4
@@ -62,6 +66,7 @@ class Routing:
         retry_after_s: int = 1,
     ) -> None:
         self._retry_after = retry_after_s
+        self._ratelog = RateLimitedLog(log, interval_s=10.0)
         self.registry = registry
         self.index = index
         self.policy = policy
@@ -86,6 +91,13 @@ class Routing:
                 )
             name = str(cards[0]["id"])
         route = self.registry.route(name)
+        if route is None and name in self._models:
+            # a configured model nobody serves right now: the fleet is down, not the name wrong
+            raise RouterError(
+                NO_WORKER,
+                f"no worker serves model `{name}` right now",
+                retry_after=self._retry_after,
+            )
         if route is None:
             raise RouterError(
                 UNKNOWN_MODEL,
@@ -131,13 +143,18 @@ class Routing:
         if prompt.token_ids is None:
             return _EMPTY
         ids, lora, salt = prompt.token_ids, prompt.lora_name, prompt.cache_salt
-        if self._fa_only:
-            scores: Mapping[str, int | None] = {
-                name: exp.full_attention_only()
-                for name, exp in self.index.explain(ids, lora, salt).items()
-            }
-        else:
-            scores = self.index.score(ids, lora, salt)
+        try:
+            if self._fa_only:
+                scores: Mapping[str, int | None] = {
+                    name: exp.full_attention_only()
+                    for name, exp in self.index.explain(ids, lora, salt).items()
+                }
+            else:
+                scores = self.index.score(ids, lora, salt)
+        except Exception as exc:  # an index bug must not fail requests: route without evidence
+            self._ratelog.error("score", "index scoring failed, routing without it: %r", exc)
+            self._metrics.child(self._metrics.errors, "index").inc()
+            return _EMPTY
         down = self._unusable()
         if down:
             scores = {name: (None if name in down else v) for name, v in scores.items()}
@@ -171,10 +188,14 @@ class Routing:
     def expect(self, worker: Worker, prompt: Prompt) -> None:
         """Credit the chosen worker with this prompt until its events arrive (or expiry)."""
         if prompt.token_ids is not None and self.cfg.expect_seconds > 0:
-            self.index.expect(
-                worker.name,
-                prompt.token_ids,
-                prompt.lora_name,
-                prompt.cache_salt,
-                self.cfg.expect_seconds,
-            )
+            try:
+                self.index.expect(
+                    worker.name,
+                    prompt.token_ids,
+                    prompt.lora_name,
+                    prompt.cache_salt,
+                    self.cfg.expect_seconds,
+                )
+            except Exception as exc:
+                self._ratelog.error("expect", "index expectation failed: %r", exc)
+                self._metrics.child(self._metrics.errors, "index").inc()

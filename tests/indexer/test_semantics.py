@@ -382,3 +382,16 @@ def test_fleet_workers_with_different_layouts() -> None:
     fi.apply("wide", batch(0, store(0, [H[1], H[3], H[5]], P[:96], 32, FULL)))
     assert fi.score(P[:97]) == {"full": 96, "hybrid": 64, "wide": 96}
     assert fi.score(P[:70]) == {"full": 64, "hybrid": 64, "wide": 64}
+
+
+def test_shared_holder_sets_are_released() -> None:
+    fi = FleetIndex()
+    for name in ("a", "b", "c"):
+        fi.apply(name, batch(0, full(H[:6])))
+    assert fi._inv.shared_bitsets() == 1  # one {a, b, c} object for all six keys
+    fi.apply("b", batch(1, *[remove(0, [h]) for h in H[:3]]))
+    assert fi._inv.shared_bitsets() == 2  # {a, c} for three keys, {a, b, c} for three
+    fi.remove_worker("c")
+    fi.remove_worker("b")
+    assert fi._inv.shared_bitsets() == 0
+    assert fi.score(P[:97]) == {"a": 96}

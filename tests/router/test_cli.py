@@ -48,3 +48,75 @@ def test_http_client_bench_smoke(tmp_path: Path) -> None:
     data = _bench("bench.http_client_bench", tmp_path)
     assert data["smoke"] is True and data["chosen"] in ("aiohttp", "httpx")
     assert len(data["cells"]) == 8  # type: ignore[arg-type]
+
+
+def test_serve_with_two_processes(tmp_path: Path) -> None:
+    """`kvroute serve --workers 2`: two router processes answer on one port."""
+    import signal
+    import time
+    import urllib.request
+
+    from bench.instant_engine import running_engine
+    from bench.router_overhead_bench import _free_port
+
+    with running_engine() as engine:
+        port = _free_port()
+        cfg = tmp_path / "r.yaml"
+        cfg.write_text(
+            yaml.safe_dump(
+                {
+                    "workers": [{"name": "w0", "url": engine, "model": "m"}],
+                    "port": port,
+                    "log_level": "warning",
+                }
+            )
+        )
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvroute", "serve", "--config", str(cfg), "--workers", "2"],
+            env=env,
+            start_new_session=True,
+        )
+        try:
+            url = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    with urllib.request.urlopen(url + "/health", timeout=1) as resp:
+                        if resp.status == 200:
+                            break
+                except OSError:
+                    pass
+                assert time.monotonic() < deadline, "router did not come up"
+                time.sleep(0.2)
+            body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+            for _ in range(20):
+                req = urllib.request.Request(
+                    url + "/v1/chat/completions",
+                    data=body.encode(),
+                    headers={"content-type": "application/json"},
+                )
+                with urllib.request.urlopen(req, timeout=5) as resp:
+                    assert resp.status == 200
+            children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+            # uvicorn's supervisor spawns the router processes via multiprocessing
+            servers = [
+                c for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()
+            ]
+            assert len(servers) == 2
+        finally:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def test_router_overhead_bench_smoke(tmp_path: Path) -> None:
+    data = _bench("bench.router_overhead_bench", tmp_path)
+    assert data["benchmark"] == "overhead" and data["smoke"] is True
+    cells = data["proxy"]
+    assert isinstance(cells, list) and len(cells) == 4
+    decision = data["decision"]
+    assert isinstance(decision, dict) and decision["chosen"] == decision["expected"]

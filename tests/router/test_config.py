@@ -96,6 +96,7 @@ def test_model_shorthand_and_policy_mapping() -> None:
         ({"workers": [{"name": "a", "url": "http://h:1", "colour": 1}]}, "workers[0].colour"),
         ({"models": {"m": {"tokenizer": "/no/such/dir"}}}, "models.m.tokenizer: no such"),
         ({"models": {"m": {"alignment": 0}}}, "models.m.alignment"),
+        ({"models": {"m": {"alignment": 24}}}, "multiple of policy.hash_unit"),
         ({"verify": {"min_samples": 100}}, "verify.min_samples"),
         ({"retry": {"max_attempts": 0}}, "retry.max_attempts"),
         ({"admin": {"token": "short"}}, "admin.token"),

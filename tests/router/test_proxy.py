@@ -465,3 +465,36 @@ def test_dp_rank_header_when_workers_share_a_url() -> None:
             assert r.engines["w0"].received[-1].headers["x-data-parallel-rank"] == "1"
 
     run(go())
+
+
+def test_configured_model_without_workers_is_503_unknown_is_404() -> None:
+    async def go() -> None:
+        async with rig(1) as r:
+            r.engines["w0"].models = []
+            await _refresh_models(r, "w0")
+            resp = await r.client.post("/v1/chat/completions", json=CHAT)
+            assert resp.status_code == 503 and "retry-after" in resp.headers
+            resp = await r.client.post("/v1/chat/completions", json={**CHAT, "model": "zzz"})
+            assert resp.status_code == 404
+
+    run(go())
+
+
+def test_an_index_failure_routes_without_evidence() -> None:
+    from tests.router.fakes import ScriptedIndex
+
+    class Broken(ScriptedIndex):
+        def score(self, *a: Any, **k: Any) -> Any:
+            raise RuntimeError("index bug")
+
+        def expect(self, *a: Any, **k: Any) -> None:
+            raise RuntimeError("index bug")
+
+    async def go() -> None:
+        async with rig(2, index=Broken()) as r:
+            resp = await r.client.post("/v1/chat/completions", json=CHAT)
+            assert resp.status_code == 200
+            assert r.parts.decisions.recent(1)[0].decision.reason == "least_load"
+            assert metric(await metrics_text(r), "kvroute_errors_total", kind="index") == 2
+
+    run(go())

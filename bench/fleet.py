@@ -17,7 +17,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -67,7 +67,7 @@ def start_fleet(
     cmd = [
         sys.executable,
         "-m",
-        "kvroute.cli",
+        "kvroute",
         "sim",
         "fleet",
         "--workers",
@@ -106,6 +106,8 @@ class EngineCounters:
     prefix_cache_queries: float = 0.0
     prefix_cache_hits: float = 0.0
     requests_ok: float = 0.0
+    busy_seconds: float = 0.0  # simulated GPU time (sim-only, from /sim/state)
+    preemptions: float = 0.0  # sim-only, from /sim/state
 
 
 _COUNTERS = {
@@ -134,9 +136,20 @@ def scrape(engines: Sequence[Engine], timeout_s: float = 5.0) -> list[EngineCoun
     for e in engines:
         try:
             with urllib.request.urlopen(e.url + "/metrics", timeout=timeout_s) as resp:
-                out.append(parse_counters(resp.read().decode()))
+                c = parse_counters(resp.read().decode())
         except (OSError, ValueError):
-            out.append(EngineCounters())
+            c = EngineCounters()
+        try:
+            with urllib.request.urlopen(e.url + "/sim/state", timeout=timeout_s) as resp:
+                st = json.loads(resp.read())
+            c = replace(
+                c,
+                busy_seconds=float(st.get("busy_seconds", 0.0)),
+                preemptions=float(st.get("preemptions", 0.0)),
+            )
+        except (OSError, ValueError, AttributeError):
+            pass
+        out.append(c)
     return out
 
 
@@ -147,6 +160,8 @@ def delta(before: Sequence[EngineCounters], after: Sequence[EngineCounters]) -> 
             a.prefix_cache_queries - b.prefix_cache_queries,
             a.prefix_cache_hits - b.prefix_cache_hits,
             a.requests_ok - b.requests_ok,
+            a.busy_seconds - b.busy_seconds,
+            a.preemptions - b.preemptions,
         )
         for b, a in zip(before, after, strict=True)
     ]
@@ -155,4 +170,6 @@ def delta(before: Sequence[EngineCounters], after: Sequence[EngineCounters]) -> 
         "engine_cached_tokens": int(sum(p.prefix_cache_hits for p in per)),
         "per_engine_requests": [int(p.requests_ok) for p in per],
         "per_engine_cached_tokens": [int(p.prefix_cache_hits) for p in per],
+        "per_engine_busy_s": [round(p.busy_seconds, 2) for p in per],
+        "preemptions": int(sum(p.preemptions for p in per)),
     }

@@ -196,6 +196,8 @@ async def run_trace(
         st = sessions[req.session]
         scheduled = 0.0 if cfg.time_scale is None else req.t / cfg.time_scale
         try:
+            if cfg.deadline_s is not None and scheduled > cfg.deadline_s:
+                return  # would start after the deadline: do not wait for it
             await asyncio.sleep(max(0.0, l_origin + scheduled - loop.time()))
             prev = predecessor[req.id]
             if prev is not None:

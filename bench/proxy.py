@@ -12,9 +12,12 @@ Policies:
   to (bounded LRU), and sends a request to the engine with the longest remembered match
   when that match covers at least ``--threshold`` of the text, else to the least loaded.
 - ``oracle``: asks every engine how many prompt tokens it would reuse for this request right
-  now (the simulated engine's probe endpoint, exact by construction) and picks the largest;
-  ties go to the fewest requests in flight. An upper bound for cache reuse, not a policy a
-  real deployment could run (it costs one probe per engine per request).
+  now (the simulated engine's probe endpoint, exact by construction), and adds what each
+  engine is about to hold: the longest 16-token-block common prefix with the requests in
+  flight on it (exact token ids from the engine's ``/tokenize``), so simultaneous requests
+  that share a new prefix go together. It picks the largest; ties go to the fewest requests
+  in flight. A yardstick for cache reuse, not a policy a deployment could run (one probe per
+  engine per request).
 
 ``python -m bench.proxy --policy NAME --engines URL,URL --port P``
 """
@@ -92,6 +95,29 @@ class PrefixTable:
             self._map.popitem(last=False)
 
 
+BLOCK = 16
+
+
+def block_keys(ids: Sequence[int], namespace: str) -> list[int]:
+    """Chained hashes of the full 16-token blocks of ``ids`` under ``namespace``."""
+    h = xxhash.xxh3_64_intdigest(namespace.encode())
+    out = []
+    for i in range(0, len(ids) - len(ids) % BLOCK, BLOCK):
+        chunk = b"".join(t.to_bytes(4, "little") for t in ids[i : i + BLOCK])
+        h = xxhash.xxh3_64_intdigest(chunk, seed=h)
+        out.append(h)
+    return out
+
+
+def common_blocks(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 @dataclass
 class ProxyState:
     engines: list[str]
@@ -101,6 +127,8 @@ class ProxyState:
     inflight: list[int]
     rr: itertools.count[int]
     table: PrefixTable
+    pending: list[dict[int, list[int]]]  # per engine: request serial -> block keys in flight
+    serial: itertools.count[int]
     probe_failures: int = 0
 
     def least_loaded(self, among: Sequence[int] | None = None) -> int:
@@ -125,16 +153,40 @@ class ProxyState:
                 )
             return -1
 
+    async def token_ids(self, body: dict[str, Any]) -> list[int]:
+        keys = ("model", "messages") if "messages" in body else ("model", "prompt")
+        req = {k: body[k] for k in keys if k in body}
+        i = next(self.rr) % len(self.engines)
+        try:
+            async with self.http.post(self.engines[i] + "/tokenize", json=req) as resp:
+                data = await resp.json()
+                return [int(t) for t in data["tokens"]]
+        except (aiohttp.ClientError, KeyError, ValueError, TypeError, TimeoutError):
+            return []
+
+    async def choose_oracle(self, body: dict[str, Any]) -> tuple[int, list[int]]:
+        n = len(self.engines)
+        # Tokenize once, then probe every engine with the ids: no engine renders the prompt.
+        ids = await self.token_ids(body)
+        probe: dict[str, Any] = {"model": body.get("model"), "prompt": ids, "max_tokens": 1}
+        if body.get("cache_salt"):
+            probe["cache_salt"] = body["cache_salt"]
+        hits = await asyncio.gather(*(self.probe(i, probe) for i in range(n)))
+        keys = block_keys(ids, str(body.get("cache_salt") or ""))
+        cap = max(0, len(ids) - 1)
+        scores = []
+        for i in range(n):
+            ahead = max((common_blocks(keys, p) for p in self.pending[i].values()), default=0)
+            scores.append(max(hits[i], min(ahead * BLOCK, cap)))
+        top = max(scores)
+        return self.least_loaded([i for i in range(n) if scores[i] == top]), keys
+
     async def choose(self, body: dict[str, Any]) -> int:
         n = len(self.engines)
         if self.policy == "round_robin":
             return next(self.rr) % n
         if self.policy == "least_load":
             return self.least_loaded()
-        if self.policy == "oracle":
-            hits = await asyncio.gather(*(self.probe(i, body) for i in range(n)))
-            top = max(hits)
-            return self.least_loaded([i for i in range(n) if hits[i] == top])
         # prefix
         text = request_text(body)
         keys = self.table.keys(text, str(body.get("cache_salt") or ""))
@@ -156,7 +208,14 @@ async def _proxy(request: web.Request) -> web.StreamResponse:
         body = json.loads(raw) if raw else {}
     except json.JSONDecodeError:
         return web.json_response({"error": {"message": "invalid JSON", "code": 400}}, status=400)
-    i = await st.choose(body) if request.method == "POST" else next(st.rr) % len(st.engines)
+    serial = next(st.serial)
+    if request.method != "POST":
+        i = next(st.rr) % len(st.engines)
+    elif st.policy == "oracle":
+        i, keys = await st.choose_oracle(body)
+        st.pending[i][serial] = keys
+    else:
+        i = await st.choose(body)
     st.inflight[i] += 1
     try:
         async with st.http.request(
@@ -179,6 +238,7 @@ async def _proxy(request: web.Request) -> web.StreamResponse:
         return web.json_response({"error": {"message": str(exc), "code": 502}}, status=502)
     finally:
         st.inflight[i] -= 1
+        st.pending[i].pop(serial, None)
 
 
 async def _health(request: web.Request) -> web.Response:
@@ -206,6 +266,8 @@ def make_app(engines: Sequence[str], policy: str, threshold: float = 0.3) -> web
             inflight=[0] * len(engines),
             rr=itertools.count(),
             table=PrefixTable(),
+            pending=[{} for _ in engines],
+            serial=itertools.count(),
         )
 
     async def on_cleanup(app: web.Application) -> None:

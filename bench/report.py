@@ -24,6 +24,14 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str
     return "\n".join(out)
 
 
+def _busy(per_engine: list[float] | None) -> str:
+    """Total simulated GPU seconds and the busiest engine relative to the mean."""
+    if not per_engine or not sum(per_engine):
+        return "-"
+    mean = sum(per_engine) / len(per_engine)
+    return f"{sum(per_engine):.0f} ({max(per_engine) / mean:.2f})"
+
+
 def routing_rows(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     """The routing benchmark's table: one row per router that ran."""
     headers = [
@@ -37,6 +45,7 @@ def routing_rows(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
         "req/s",
         "output tok/s",
         f"goodput req/s (TTFT ≤ {result.get('slo_ttft_s', '?')} s)",
+        "GPU s (max/mean)",
         "errors",
     ]
     oracle = next(
@@ -45,7 +54,8 @@ def routing_rows(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     rows = []
     for r in result["routers"]:
         if r["status"] != "ok":
-            rows.append([r["label"], f"*{r['status']}: {r.get('reason', '')}*"] + [""] * 9)
+            reason = str(r.get("reason", "")).splitlines()[0][:120] if r.get("reason") else ""
+            rows.append([r["label"], f"*{r['status']}: {reason}*"] + [""] * 10)
             continue
         s = r["summary"]
         cached = r.get("engine_cached_tokens", s["cached_tokens"])
@@ -66,6 +76,7 @@ def routing_rows(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
                 fmt(s["req_per_s"], 2),
                 fmt(s["output_tok_per_s"], 0),
                 fmt(s["goodput_req_per_s"], 2),
+                _busy(r.get("per_engine_busy_s")),
                 str(s["errors"]),
             ]
         )

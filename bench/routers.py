@@ -78,7 +78,7 @@ def command(spec: RouterSpec, port: int, fleet: Fleet, peers: Peers) -> list[str
         return [
             sys.executable,
             "-m",
-            "kvroute.cli",
+            "kvroute",
             "serve",
             "--config",
             str(fleet.config_path),

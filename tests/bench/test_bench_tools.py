@@ -153,11 +153,14 @@ def test_report_and_summary(tmp_path: Path) -> None:
     assert (tmp_path / "routing_dense.png").read_bytes()[:4] == b"\x89PNG"
     (tmp_path / "routing_dense.json").write_text(json.dumps(res))
     (tmp_path / "routing_dense.md").write_text(md)
-    (tmp_path / "routing_swa_smoke.json").write_text(json.dumps(_result("swa", smoke=True)))
+    (tmp_path / "routing_swa_smoke.md").write_text(routing_markdown(_result("swa", smoke=True)))
+    (tmp_path / "index.md").write_text("# Index\n\n| a | b |\n")
     out = write_summary(tmp_path, [{"name": "routing", "status": "ok", "wall_s": 1.0}])
     text = out.read_text()
-    assert "## routing" in text and "### Routing benchmark: profile `dense`" in text
+    assert "## routing_dense" in text and "### Routing benchmark: profile `dense`" in text
     assert "![routing_dense](routing_dense.png)" in text
     assert "swa" not in text  # smoke results stay out of the summary
+    assert text.index("routing_dense") < text.index("## index") < text.index("Not measured")
     assert "- overhead" in text  # listed as not measured yet
+    assert "- routing: ok (1.0 s)" in text
     assert os.path.exists(out)

@@ -24,7 +24,7 @@ install: $(STAMP)
 $(RUN_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e .
+	$(PY) -m pip install -q -e . --config-settings editable_mode=compat
 	touch $(RUN_STAMP)
 
 # Debian's Chromium for the dashboard's browser tests (tests/dashboard, driven by Playwright).

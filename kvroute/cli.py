@@ -41,7 +41,3 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(SUBCOMMANDS[name][0])
     result: int = module.main(rest)
     return result
-
-
-if __name__ == "__main__":  # `python -m kvroute.cli ...` (the bench's launchers use it)
-    raise SystemExit(main())

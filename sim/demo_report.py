@@ -117,6 +117,7 @@ def write_png(path: Path, title: str, runs: Sequence[RunResult]) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
 
     path.parent.mkdir(parents=True, exist_ok=True)
     fig, axes = plt.subplots(2, 2, figsize=(11, 7.2), dpi=100)
@@ -170,6 +171,7 @@ def write_png(path: Path, title: str, runs: Sequence[RunResult]) -> None:
         bars = ax.bar(names, vals, color=["#555555", _COLORS["kvroute"], "#b84a4a"])
         ax.bar_label(bars, labels=[f"{v:,}" for v in vals], padding=2, fontsize=9)
         ax.set_ylabel("reusable tokens, summed")
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:,.0f}"))
         ax.set_title(
             f"Hybrid model: predicted vs true reuse\n({hybrid['pairs']} prompt x worker probes)",
             fontsize=10,

@@ -172,8 +172,7 @@ def run_demo(
     print(
         f"kvroute demo: {setup.workers} simulated vLLM engines of a hybrid model "
         f"({_LAYOUTS.get(setup.profile, setup.profile)}), each with a kvroute bridge, "
-        f"the router in front.\nWorkload: {info['requests']} requests, "
-        f"{info['prompt_tokens']:,} prompt tokens: "
+        f"the router in front.\nWorkload: {info['requests']} requests in "
         + ", ".join(f"{v['sessions']} {k} sessions" for k, v in info["kinds"].items())
         + f". Engines timed at {setup.speed:g}x a modelled H100.",
         file=out,

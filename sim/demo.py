@@ -108,6 +108,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def parse_policies(text: str) -> list[str]:
+    """The runs to make, in order; ValueError for an unknown or empty list."""
+    policies = [p.strip() for p in text.split(",") if p.strip()]
+    unknown = [p for p in policies if p not in LABELS]
+    if unknown or not policies:
+        raise ValueError(f"unknown policies {unknown or text!r}; known: {', '.join(LABELS)}")
+    return policies
+
+
 def _setup(args: argparse.Namespace) -> DemoSetup:
     setup = SETUPS["short" if args.short else "full"]
     if args.profile:
@@ -126,7 +135,7 @@ def _keep_running(live: LiveRun, out: TextIO) -> None:
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     url, token = live.url, live.token
     print(
-        f"\nThe cache-aware fleet and router keep running (Ctrl-C stops them):\n"
+        f"\nThe fleet and the router ({live.policy}) keep running (Ctrl-C stops them):\n"
         f"  router     {url}   (OpenAI API: {url}/v1/chat/completions)\n"
         f"  dashboard  {url}/dashboard#token={token}\n"
         f"  admin      Authorization: Bearer {token}\n"
@@ -163,10 +172,7 @@ def run_demo(
 ) -> DemoOutcome:
     """Run every policy and write the outputs (with --keep the last run stays up)."""
     setup = _setup(args)
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    unknown = [p for p in policies if p not in LABELS]
-    if unknown or not policies:
-        raise SystemExit(f"kvroute demo: unknown policies {unknown}; known: {sorted(LABELS)}")
+    policies = parse_policies(args.policies)
     trace = demo_trace(setup, MODEL)
     info = describe(trace)
     print(
@@ -233,7 +239,12 @@ def _after_runs(
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        parse_policies(args.policies)
+    except ValueError as exc:
+        parser.error(str(exc))
     t0 = time.monotonic()
     try:
         outcome = run_demo(args)

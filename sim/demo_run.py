@@ -206,6 +206,7 @@ class LiveRun:
     fleet: Fleet
     router: RunningRouter
     token: str
+    policy: str
 
     @property
     def url(self) -> str:
@@ -233,7 +234,7 @@ def start_live(setup: DemoSetup, policy: str, log_dir: Path) -> LiveRun:
     except BaseException:
         pg.stop_all()
         raise
-    return LiveRun(pg, fleet, router, token)
+    return LiveRun(pg, fleet, router, token, LABELS[policy])
 
 
 def replay(

@@ -9,12 +9,19 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from bench.stats import RequestRecord
-from sim.demo import Progress, build_parser, run_demo
+from sim.demo import Progress, build_parser, parse_policies, run_demo
 from sim.demo_run import prediction_from_metrics
 
 
@@ -106,3 +113,48 @@ def test_progress_prints_quarters_when_not_a_terminal() -> None:
     assert len(lines) == 4
     assert "8/8 requests" in lines[-1] and "errors 1" in lines[-1]
     assert "cached 21.4%" in lines[-1]  # 3 of the 7 ok requests reused 50 of their 100
+
+
+def test_policies_are_checked() -> None:
+    assert parse_policies("round_robin, kvroute") == ["round_robin", "kvroute"]
+    for bad in ("", "kvroute,least_load", ","):
+        with pytest.raises(ValueError):
+            parse_policies(bad)
+
+
+@pytest.mark.timeout(180)
+def test_keep_leaves_router_and_dashboard_up_until_ctrl_c(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "kvroute", "demo", "--short", "--keep"]
+    cmd += ["--policies", "kvroute", "--out", str(tmp_path)]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True
+    )
+    try:
+        assert proc.stdout is not None
+        dashboard = None
+        deadline = time.monotonic() + 150
+        while dashboard is None and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            found = re.search(r"dashboard\s+(http://127\.0\.0\.1:\d+)/dashboard#token=(\S+)", line)
+            if found:
+                dashboard = found
+        assert dashboard is not None, "no dashboard URL printed"
+        url, token = dashboard.group(1), dashboard.group(2)
+        assert httpx.get(f"{url}/dashboard", timeout=5.0).status_code == 200
+        workers = httpx.get(
+            f"{url}/admin/workers", headers={"authorization": f"Bearer {token}"}, timeout=5.0
+        ).json()["workers"]
+        assert len(workers) == 2 and all(w["status"] == "ready" for w in workers)
+        # The caches are warm from the run.
+        assert all(sum(w["index"]["blocks_per_group"].values()) > 0 for w in workers)
+
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"{url}/health", timeout=2.0)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

@@ -446,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
     decision = decision_time(4096, 32, 50) if args.smoke else decision_time(32768, 256, 300)
     events = event_apply(8192 if args.smoke else 102_400, 200 if args.smoke else 2000)
     result = {
-        "benchmark": "overhead",
+        "benchmark": "router_overhead",
         "smoke": args.smoke,
         "requests_per_cell": total,
         "proxy": proxy,

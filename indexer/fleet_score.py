@@ -31,6 +31,7 @@ from indexer.layout import Rule
 from indexer.plan import FullWalk, Plan, SparseClass
 
 _FIRST_CHUNK = 16  # blocks looked up at once in the coverage walk (doubling)
+_MAX_CHUNK = 256  # a chunk where workers drop out is walked element by element
 
 
 def lookup(
@@ -76,7 +77,7 @@ def coverage(
             alive = acc[-1]
         covered += n * block
         pos += n * step
-        chunk *= 2
+        chunk = min(chunk * 2, _MAX_CHUNK)
     if alive:
         events.append((covered, alive))
     return events

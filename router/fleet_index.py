@@ -60,7 +60,9 @@ class FleetIndexView:
                 GroupReuse(g.group_id, g.kind, g.block_size, g.sliding_window, g.accepted_tokens)
                 for g in ws.groups
             ]
-            out[worker] = ReuseExplanation(ws.reusable_tokens, groups, ws.alignment, ws.reason)
+            out[worker] = ReuseExplanation(
+                ws.reusable_tokens, groups, ws.alignment, ws.reason, ws.expected_tokens
+            )
         return out
 
     def expect(

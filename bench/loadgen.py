@@ -46,6 +46,7 @@ class LoadConfig:
     request_timeout_s: float = 120.0
     deadline_s: float | None = None  # no request is sent after this (from the start)
     live_history: bool = False  # replace the trace's assistant answers by the real ones
+    ignore_eos: bool = True  # vLLM extension: generate exactly max_tokens, as the trace says
     extra_body: dict[str, Any] = field(default_factory=dict)
     headers: dict[str, str] = field(default_factory=dict)
     session_header: str | None = "x-session-id"  # send the session id in this header
@@ -70,6 +71,8 @@ def build_body(
         body["cache_salt"] = req.cache_salt
     if req.user is not None:
         body["user"] = req.user
+    if cfg.ignore_eos:
+        body["ignore_eos"] = True
     body.update(cfg.extra_body)
     return body
 

@@ -32,6 +32,13 @@ def _busy(per_engine: list[float] | None) -> str:
     return f"{sum(per_engine):.0f} ({max(per_engine) / mean:.2f})"
 
 
+def _prediction(p: dict[str, Any] | None) -> str:
+    """kvroute's own check of its predictions: mean |predicted - engine| and the miss share."""
+    if not p or not p.get("verified"):
+        return "-"
+    return f"{p['mean_abs_error_tokens']} ({p['misses'] / p['verified']:.0%} missed)"
+
+
 def routing_rows(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     """The routing benchmark's table: one row per router that ran."""
     headers = [
@@ -46,6 +53,7 @@ def routing_rows(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
         "output tok/s",
         f"goodput req/s (TTFT ≤ {result.get('slo_ttft_s', '?')} s)",
         "GPU s (max/mean)",
+        "prediction error (tok)",
         "errors",
     ]
     oracle = next(
@@ -55,7 +63,7 @@ def routing_rows(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     for r in result["routers"]:
         if r["status"] != "ok":
             reason = str(r.get("reason", "")).splitlines()[0][:120] if r.get("reason") else ""
-            rows.append([r["label"], f"*{r['status']}: {reason}*"] + [""] * 10)
+            rows.append([r["label"], f"*{r['status']}: {reason}*"] + [""] * 11)
             continue
         s = r["summary"]
         cached = r.get("engine_cached_tokens", s["cached_tokens"])
@@ -77,6 +85,7 @@ def routing_rows(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
                 fmt(s["output_tok_per_s"], 0),
                 fmt(s["goodput_req_per_s"], 2),
                 _busy(r.get("per_engine_busy_s")),
+                _prediction(r.get("prediction")),
                 str(s["errors"]),
             ]
         )

@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import secrets
 import sys
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from bench.fleet import Fleet
 from bench.peers import Peers
@@ -53,6 +55,10 @@ ROUTERS: dict[str, RouterSpec] = {
         RouterSpec("bench-round-robin", "round robin (bench proxy)", "proxy", "round_robin"),
     ]
 }
+
+
+# kvroute's admin API is on (loopback only) so the bench can read prediction accuracy.
+ADMIN_TOKEN = "bench-" + secrets.token_hex(8)
 
 
 class RouterUnavailable(RuntimeError):
@@ -88,6 +94,10 @@ def command(spec: RouterSpec, port: int, fleet: Fleet, peers: Peers) -> list[str
             "127.0.0.1",
             "--port",
             str(port),
+            "--admin-token",
+            ADMIN_TOKEN,
+            "--log-level",
+            "warning",
         ]
     if spec.kind == "smg":
         if peers.smg is None:
@@ -143,6 +153,33 @@ def command(spec: RouterSpec, port: int, fleet: Fleet, peers: Peers) -> list[str
             str(port),
         ]
     raise ValueError(f"unknown router kind {spec.kind!r}")
+
+
+def kvroute_predictions(url: str) -> dict[str, Any] | None:
+    """kvroute's own prediction accuracy (``/admin/workers``), summed over workers."""
+    req = urllib.request.Request(
+        url + "/admin/workers", headers={"authorization": f"Bearer {ADMIN_TOKEN}"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=5.0) as resp:
+            workers = json.loads(resp.read())["workers"]
+    except (urllib.error.URLError, OSError, ValueError, KeyError):
+        return None
+    verified = misses = resyncs = 0
+    abs_err = 0.0
+    for w in workers:
+        p = w.get("prediction") or {}
+        n = int(p.get("verified") or 0)
+        verified += n
+        misses += int(p.get("misses") or 0)
+        resyncs += int(p.get("resyncs") or 0)
+        abs_err += float(p.get("mean_abs_error_tokens") or 0.0) * n
+    return {
+        "verified": verified,
+        "misses": misses,
+        "resyncs": resyncs,
+        "mean_abs_error_tokens": round(abs_err / verified, 2) if verified else None,
+    }
 
 
 def _lists_model(url: str, model: str) -> bool:

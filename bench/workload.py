@@ -78,7 +78,7 @@ class WorkloadSpec:
     """Everything that determines a trace, besides the token space."""
 
     seed: int = 0
-    duration_s: float = 60.0  # window in which sessions start
+    duration_s: float = 40.0  # window in which sessions start
     tenants: int = 8
     salted_fraction: float = 0.5
     tenant_zipf: float = 1.1

@@ -2,8 +2,9 @@
 
 The processes are the bench's (:mod:`bench.fleet`, :mod:`bench.routers`): ``kvroute sim
 fleet`` (engines + bridges) and ``kvroute serve`` in front of it, each in its own process
-group. The demo adds to the fleet's router config an admin token (for the admin API and the
-dashboard), the simulated engines' prefill rate, and the response headers naming the worker.
+group; the bench's launcher turns the router's admin API on with a random token (used for the
+dashboard too). The demo adds to the fleet's router config the simulated engines' prefill
+rate and the response headers naming the worker.
 
 Measured, per run:
 - from the engines: every response's ``usage.prompt_tokens_details.cached_tokens`` (the load
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import secrets
 import time
 import urllib.request
 from collections.abc import Callable, Sequence
@@ -35,7 +35,7 @@ from bench.fleet import Fleet, delta, scrape, start_fleet
 from bench.loadgen import LoadConfig, build_body, run_trace
 from bench.peers import Peers
 from bench.procs import ProcessGroup
-from bench.routers import ROUTERS, RunningRouter, start_router
+from bench.routers import ADMIN_TOKEN, ROUTERS, RunningRouter, start_router
 from bench.stats import RequestRecord, summarize
 from bench.trace import TraceRequest
 from sim.demo_workload import DemoSetup
@@ -91,10 +91,10 @@ def _http_text(url: str, timeout: float = 5.0) -> str:
         return text
 
 
-def configure_router(fleet: Fleet, setup: DemoSetup, token: str) -> None:
+def configure_router(fleet: Fleet, setup: DemoSetup) -> None:
     """Add the demo's settings to the router config the fleet wrote."""
     cfg: dict[str, Any] = yaml.safe_load(fleet.config_path.read_text()) or {}
-    cfg["admin"] = {"token": token, "response_headers": True}
+    cfg["admin"] = {"response_headers": True}
     cfg.setdefault("policy", {})["prefill_tokens_per_s"] = setup.prefill_tokens_per_s
     cfg["log_level"] = "warning"
     fleet.config_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
@@ -227,14 +227,14 @@ def start_live(setup: DemoSetup, policy: str, log_dir: Path) -> LiveRun:
             run_dir=log_dir,
             extra_args=("--speed", str(setup.speed)),
         )
-        token = secrets.token_urlsafe(16)
-        configure_router(fleet, setup, token)
+        configure_router(fleet, setup)
         router = start_router(pg, ROUTERS[POLICIES[policy]], fleet, Peers(None, None))
-        wait_events_live(router.url, token, setup.workers)
+        # The bench's launcher turns the admin API on with its per-process random token.
+        wait_events_live(router.url, ADMIN_TOKEN, setup.workers)
     except BaseException:
         pg.stop_all()
         raise
-    return LiveRun(pg, fleet, router, token, LABELS[policy])
+    return LiveRun(pg, fleet, router, ADMIN_TOKEN, LABELS[policy])
 
 
 def replay(

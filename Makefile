@@ -15,7 +15,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev]' --config-settings editable_mode=compat
+	PYTHONWARNINGS=ignore $(PY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -24,7 +24,7 @@ install: $(STAMP)
 $(RUN_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e . --config-settings editable_mode=compat
+	PYTHONWARNINGS=ignore $(PY) -m pip install -q -e .
 	touch $(RUN_STAMP)
 
 # Debian's Chromium for the dashboard's browser tests (tests/dashboard, driven by Playwright).

@@ -27,9 +27,8 @@ def run(coro: Callable[[], Awaitable[None]]) -> None:
 
 async def start_bridge(*engines: EngineEndpoints, **config: Any) -> Bridge:
     config.setdefault("replay_timeout", 1.0)
-    bridge = Bridge(
-        BridgeConfig(engines=engines, listen="127.0.0.1:0", http="127.0.0.1:0", **config)
-    )
+    config.setdefault("listen", "127.0.0.1:0")
+    bridge = Bridge(BridgeConfig(engines=engines, http="127.0.0.1:0", **config))
     await bridge.start()
     return bridge
 
@@ -430,6 +429,33 @@ def test_data_parallel_ranks_are_separate_streams() -> None:
         await bridge.stop()
         for e in engines:
             await e.close()
+        ctx.destroy(linger=0)
+
+    run(main)
+
+
+def test_client_reconnects_to_a_restarted_bridge_and_gets_a_snapshot() -> None:
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        engine = FakeEngine(ctx)
+        bridge = await start_bridge(engine.endpoints())
+        port = bridge.grpc_port
+        rec = Recorder(f"127.0.0.1:{port}")  # keeps running across the bridge restart
+        await connected(bridge)
+        await engine.publish([store([1], None, TOKENS[:16])])
+        await rec.wait_for(lambda: rec.position.sequence == 0)
+        first_id = rec.position.stream_id
+        await bridge.stop()
+        bridge = await start_bridge(engine.endpoints(), listen=f"127.0.0.1:{port}")
+        await rec.wait_for(lambda: rec.position.stream_id not in ("", first_id))
+        assert rec.snapshots()[-1].reason == "resume_unavailable"
+        await connected(bridge)
+        await engine.publish([store([2], 1, TOKENS[16:32])])
+        await rec.wait_for(lambda: (0, be(2)) in rec.view.counts)
+        assert set(rec.view.counts) == {(0, be(1)), (0, be(2))}  # history joined via replay
+        await rec.close()
+        await bridge.stop()
+        await engine.close()
         ctx.destroy(linger=0)
 
     run(main)

@@ -16,16 +16,16 @@ is reference/vllm-kv-events.md §9.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from types import SimpleNamespace
+from types import MappingProxyType, SimpleNamespace
 from typing import Any
 
+import msgspec
 import torch
 from vllm.distributed.kv_events import KVCacheEvent, KVEventBatch
 from vllm.lora.request import LoRARequest
@@ -208,7 +208,8 @@ class VllmCacheBackend:
             max_model_len=spec.max_model_len,
             scheduler_block_size=self.scheduler_block_size,
             hash_block_size=self.hash_block_size,
-            enable_caching=True,
+            max_in_flight_tokens=getattr(spec, "max_in_flight_tokens", None),
+            enable_caching=getattr(spec, "enable_caching", True),
             enable_kv_cache_events=True,
         )
         self.partial_hits = bool(self.manager.coordinator.enable_partial_hash_hits)
@@ -266,7 +267,11 @@ class VllmCacheBackend:
         )
 
     def allocate(self, request_id: str, num_new_tokens: int, lookup: Lookup | None = None) -> bool:
-        """`allocate_slots`; with the first chunk's lookup, adopt its hit. False = no room."""
+        """`allocate_slots`; with the first chunk's lookup, adopt its hit. False = no room.
+
+        An admission (with `lookup`) checks that the whole sequence fits, as vLLM does by
+        default (`scheduler_reserve_full_isl`).
+        """
         request = self._requests[request_id]
         if lookup is None:
             return self.manager.allocate_slots(request, num_new_tokens) is not None
@@ -277,6 +282,7 @@ class VllmCacheBackend:
             num_new_tokens,
             num_new_computed_tokens=lookup.hit_tokens,
             new_computed_blocks=blocks,
+            full_sequence_must_fit=True,
         )
         if allocated is None:
             return False
@@ -292,8 +298,9 @@ class VllmCacheBackend:
 
     def free(self, request_id: str) -> None:
         """The request finished or was aborted: release its blocks (emits nothing)."""
-        request = self._requests.pop(request_id)
-        self.manager.free(request)
+        request = self._requests.pop(request_id, None)
+        if request is not None:
+            self.manager.free(request)
 
     def preempt(self, request_id: str) -> None:
         """Release a running request's blocks but keep it (prompt and outputs) to resume."""
@@ -303,40 +310,41 @@ class VllmCacheBackend:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
 
-    def end_step(self) -> list[Any]:
-        """End a step (§9.3) and return its events as `sim.events` records."""
-        from sim import events as sim_events  # the simulated engine's records
+    def begin_step(self) -> None:
+        """A new engine step starts (vLLM's scheduler calls this first in `schedule`)."""
+        self.manager.new_step_starts()
 
-        def convert(event: KVCacheEvent) -> Any:
-            cls = getattr(sim_events, type(event).__name__)
-            return cls(**{f.name: getattr(event, f.name) for f in dataclasses.fields(cls)})
-
-        return [convert(e) for e in self.end_step_vllm()]
-
-    def after_schedule(self) -> None:
+    def end_schedule(self) -> None:
         """What the scheduler drains right after scheduling a step: boundary-state offloads
         and block copies (their retained copy-on-write blocks go back to the pool). Call it
-        before freeing the step's finished requests to reproduce vLLM's eviction order;
-        `end_step` calls it too, for callers that do not."""
+        before freeing the step's finished requests, as vLLM does."""
         manager = self.manager
         manager.take_boundary_state_offloads()
         _, retained = manager.take_kv_cache_block_copies()
         if retained:
             manager.block_pool.free_blocks(retained)
 
+    def end_step(self) -> list[Any]:
+        """The step's events as `sim.events` records (vLLM's field names and order)."""
+        from sim import events as sim_events  # the simulated engine's records
+
+        def convert(event: KVCacheEvent) -> Any:
+            cls = getattr(sim_events, type(event).__name__)
+            names = msgspec.structs.fields(cls)
+            return cls(**{f.name: getattr(event, f.name) for f in names if hasattr(event, f.name)})
+
+        return [convert(e) for e in self.end_step_vllm()]
+
     def end_step_vllm(self) -> list[KVCacheEvent]:
-        """End a step and return vLLM's own events, in the block pool's order."""
-        self.after_schedule()
-        events = self.manager.take_events()
-        self.manager.new_step_starts()
-        return events
+        """The step's events as vLLM's own objects, in the block pool's order."""
+        return list(self.manager.take_events())
 
     def reset(self) -> bool:
         """`reset_prefix_cache`: only when no request holds blocks; its event comes next step."""
         return bool(self.manager.reset_prefix_cache())
 
     def usage(self) -> float:
-        return float(self.manager.block_pool.get_usage())
+        return float(self.manager.usage)
 
     def per_group_hits(self, request_id: str) -> list[int]:
         request = self._requests[request_id]
@@ -346,6 +354,11 @@ class VllmCacheBackend:
 
     def request(self, request_id: str) -> Request:
         return self._requests[request_id]
+
+    @property
+    def requests(self) -> Mapping[str, Request]:
+        """The live vLLM requests by id (read-only view, for traces and tests)."""
+        return MappingProxyType(self._requests)
 
     def native_hit(
         self,
@@ -516,6 +529,7 @@ class SchedulerLoop:
         if self.idle:
             return False
         backend = self.backend
+        backend.begin_step()
         budget = self.backend.spec.max_num_scheduled_tokens
         scheduled: list[tuple[_Work, int]] = []
 
@@ -560,7 +574,7 @@ class SchedulerLoop:
             scheduled.append((work, n))
             budget -= n
 
-        backend.after_schedule()
+        backend.end_schedule()
         # "Execute": advance, sample where a prefill or decode completes, finish.
         finished: list[_Work] = []
         for work, n in scheduled:

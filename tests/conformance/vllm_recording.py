@@ -29,6 +29,12 @@ from proto.events_pb2 import KvEventBatch
 REPO = Path(__file__).resolve().parents[2]
 DRIVER = REPO / "tests" / "conformance" / "vllm_driver.py"
 BACKEND = REPO / "sim" / "vllm_backend.py"
+# Everything the recording depends on besides vLLM itself (its cache key).
+DRIVER_SOURCES = (
+    DRIVER,
+    *(DRIVER.parent / f"vllm_{part}.py" for part in ("wire", "workloads", "scenarios")),
+    BACKEND,
+)
 CACHE_DIR = REPO / ".cache" / "conformance"
 
 
@@ -55,11 +61,18 @@ def _vllm_version(python: Path) -> str:
     return probe.stdout.strip()
 
 
+def extra_seeds() -> int:
+    """Reseeded copies of every random-workload scenario to record and test as well (0 by
+    default; set KVROUTE_CONFORMANCE_EXTRA_SEEDS=N for a longer bug hunt)."""
+    return int(os.environ.get("KVROUTE_CONFORMANCE_EXTRA_SEEDS", "0"))
+
+
 def recording_path(version: str) -> Path:
     digest = hashlib.sha256(version.encode())
-    for source in (DRIVER, BACKEND):
+    for source in DRIVER_SOURCES:
         digest.update(source.read_bytes())
-    return CACHE_DIR / f"vllm-{version}-{digest.hexdigest()[:16]}.msgpack"
+    suffix = f"-x{extra_seeds()}" if extra_seeds() else ""
+    return CACHE_DIR / f"vllm-{version}-{digest.hexdigest()[:16]}{suffix}.msgpack"
 
 
 def load_recording() -> dict[str, Any]:
@@ -73,7 +86,7 @@ def load_recording() -> dict[str, Any]:
     path = recording_path(_vllm_version(python))
     if not path.exists():
         run = subprocess.run(
-            [str(python), str(DRIVER), "--out", str(path)],
+            [str(python), str(DRIVER), "--out", str(path), "--extra-seeds", str(extra_seeds())],
             capture_output=True,
             text=True,
             timeout=900,
@@ -126,3 +139,26 @@ def converted(sc: dict[str, Any], stats: ConvertStats | None = None) -> Iterator
     for _topic, seq_frame, payload in sc["frames"]:
         yield convert_batch(decoder.decode(payload), int.from_bytes(seq_frame, "big"), stats=stats)
     assert decoder.unknown_field_batches == 0, decoder.unknown_field_names
+
+
+# The random-workload scenarios that are not limits: reseeded with --extra-seeds.
+RESEEDED = [
+    "dense_fa16",
+    "hybrid16_r0",
+    "hybrid16_dense",
+    "hybrid16_r64_w48",
+    "mamba64_partial_r0",
+    "mamba64_partial_dense",
+    "mixed32_mamba64",
+    "two_windows_r0",
+    "swa32blk_mixed",
+    "equal64",
+    "bytes_cbor_dp1_r32",
+    "preempt_hybrid16",
+    "long_hybrid_w512",
+    "swa_only_dense",
+]
+SCENARIOS += [f"{name}~s{k}" for k in range(1, extra_seeds() + 1) for name in RESEEDED]
+
+# The driver's fleets (several workers recorded together), in its order.
+FLEETS = ["fleet_rolling_upgrade", "fleet_same_model"]

@@ -173,7 +173,9 @@ class Routing:
         workers = self.eligible(route, exclude)
         key = session_key(req.header_map, req.body, self.cfg)
         decision = self.policy.decide(
-            workers, RouteInput(prompt.n_tokens, reuse, key), self._clock()
+            workers,
+            RouteInput(prompt.n_tokens, reuse, key, self.coverage_lookup(prompt)),
+            self._clock(),
         )
         self._decision_hist.observe(time.perf_counter() - started)
         self._metrics.child(self._decision_count, decision.policy, decision.reason).inc()
@@ -184,6 +186,26 @@ class Routing:
                 retry_after=self._retry_after,
             )
         return decision
+
+    def coverage_lookup(self, prompt: Prompt) -> Callable[[], Mapping[str, int | None]] | None:
+        """A lazy full-attention coverage lookup for the policy (None without ids)."""
+        ids = prompt.token_ids
+        if ids is None or self._fa_only:
+            return None
+
+        def lookup() -> Mapping[str, int | None]:
+            try:
+                found = self.index.coverage(ids, prompt.lora_name, prompt.cache_salt)
+            except Exception as exc:
+                self._ratelog.error("coverage", "index coverage failed: %r", exc)
+                self._metrics.child(self._metrics.errors, "index").inc()
+                return _EMPTY
+            down = self._unusable()
+            if down:
+                return {name: (None if name in down else v) for name, v in found.items()}
+            return found
+
+        return lookup
 
     def expect(self, worker: Worker, prompt: Prompt) -> None:
         """Credit the chosen worker with this prompt until its events arrive (or expiry)."""

@@ -98,7 +98,7 @@ class PolicyConfig:
     avg_prompt_tokens: int = _f(
         1024, "initial estimate of a waiting request's prefill tokens (learned at run time)"
     )
-    seed: int | None = _f(None, "seed for the random policy and jitter (unset = random)")
+    seed: int | None = _f(None, "seed of the random policy (unset = random)")
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,6 +17,7 @@ def test_bridge_bench_smoke(tmp_path: Path) -> None:
         "prefill",
         "hybrid",
         "decode",
+        "decode-8",
         "prefill-0.23",
     }
     assert all(r["decode_convert_blocks_per_s"] > 0 for r in result["throughput"])

@@ -469,3 +469,28 @@ def test_snapshot_answers_like_the_live_stream_without_full_attention(
         for n in range(1, len(toks) + 2):
             probe = [*toks, 1][:n]
             assert joined.reusable_tokens(probe) == live.reusable_tokens(probe), n
+
+
+def test_lineage_metrics_follow_the_state() -> None:
+    from bridge.metrics import BridgeMetrics
+    from bridge.stream import RankStream
+
+    metrics = BridgeMetrics()
+    stream = RankStream(0, "b", EngineState(max_lineage_blocks=4), metrics)
+
+    def sample(name: str) -> float:
+        return metrics.registry.get_sample_value(name, {"dp_rank": "0"}) or 0.0
+
+    a = list(range(7000, 7000 + 4 * BS))
+    b = a[: 2 * BS] + list(range(8000, 8000 + 2 * BS))
+    stream.apply(batch(0, store(a, 0, 4, **SWA)))
+    stream.apply(batch(1, store(b, 2, 4, **SWA)))
+    stream.apply(batch(2, *(remove(0, x) for x in _hashes(a, 0, 4))))
+    assert sample("kvroute_bridge_state_lineage_blocks") == 4
+    c = list(range(9000, 9000 + 4 * BS))
+    d = c[: 2 * BS] + list(range(9500, 9500 + 2 * BS))
+    stream.apply(batch(3, store(c, 0, 4, **SWA)))
+    stream.apply(batch(4, store(d, 2, 4, **SWA)))
+    stream.apply(batch(5, *(remove(0, x) for x in _hashes(c, 0, 4))))
+    assert sample("kvroute_bridge_state_evicted_lineage_blocks_total") == 4
+    assert sample("kvroute_bridge_state_lineage_blocks") == 4

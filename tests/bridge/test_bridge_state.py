@@ -422,16 +422,18 @@ _swa_op = st.one_of(
 
 
 @settings(max_examples=int(os.environ.get("KVROUTE_FUZZ_EXAMPLES", "200")), deadline=None)
-@given(st.lists(_swa_op, max_size=40), st.booleans())
+@given(st.lists(_swa_op, max_size=40), st.booleans(), st.sampled_from([None, 1, 6]))
 def test_snapshot_answers_like_the_live_stream_without_full_attention(
-    ops: list[tuple[Any, ...]], mamba: bool
+    ops: list[tuple[Any, ...]], mamba: bool, max_lineage: int | None
 ) -> None:
+    """Exact with the default lineage bound; with a tiny one, never higher than live."""
     from indexer import GroupCache
 
     shared = list(range(900, 900 + 3 * BS))
     prompts = [shared[: (p % 3) * BS] + [p * 100 + i for i in range(40)] for p in range(5)]
     prompts = [p[: 8 * BS] for p in prompts]
-    state, live = EngineState(), GroupCache(hash_unit=BS)
+    state = EngineState(max_lineage_blocks=max_lineage or 10**6)
+    live = GroupCache(hash_unit=BS)
     held: Counter[tuple[int, bytes]] = Counter()
     seq = -1
     for op in ops:
@@ -468,7 +470,11 @@ def test_snapshot_answers_like_the_live_stream_without_full_attention(
     for toks in prompts:
         for n in range(1, len(toks) + 2):
             probe = [*toks, 1][:n]
-            assert joined.reusable_tokens(probe) == live.reusable_tokens(probe), n
+            got, expected = joined.reusable_tokens(probe), live.reusable_tokens(probe)
+            if max_lineage is None or state.stats.evicted_lineage_blocks == 0:
+                assert got == expected, n
+            else:
+                assert got is not None and expected is not None and got <= expected, n
 
 
 def test_lineage_metrics_follow_the_state() -> None:

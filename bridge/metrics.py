@@ -70,6 +70,18 @@ class BridgeMetrics:
             _RANK,
             registry=r,
         )
+        self.evicted_lineage_blocks = Counter(
+            "kvroute_bridge_state_evicted_lineage_blocks",
+            "Lineage-only blocks (ancestors of live blocks) dropped at their bound",
+            _RANK,
+            registry=r,
+        )
+        self.lineage_blocks = Gauge(
+            "kvroute_bridge_state_lineage_blocks",
+            "Blocks kept only to place live blocks in snapshots (their ancestors)",
+            _RANK,
+            registry=r,
+        )
         self.state_blocks = Gauge(
             "kvroute_bridge_state_blocks",
             "Live block copies in the snapshot state",

@@ -37,7 +37,7 @@ class Feed:
     def apply_snapshot(self, snapshot: events_pb2.Snapshot) -> None:
         self.snapshots += 1
         self.lineage.discard(counted=False)
-        self.lineage.apply_batch(snapshot.events)
+        self.lineage.apply_batch(snapshot.events, lineage=snapshot.lineage)
         self.last_sequence = snapshot.sequence if snapshot.has_sequence else None
 
     def invalidate(self) -> None:

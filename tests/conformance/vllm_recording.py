@@ -123,6 +123,7 @@ SCENARIOS = [
     "preempt_hybrid16",
     "long_hybrid_w512",
     "swa_only_dense",
+    "mamba_swa_dense",
     "limit_nonprefix_lcm",
     "limit_pmu16_fa64",
     "limit_swa_only_r0",
@@ -157,6 +158,7 @@ RESEEDED = [
     "preempt_hybrid16",
     "long_hybrid_w512",
     "swa_only_dense",
+    "mamba_swa_dense",
 ]
 SCENARIOS += [f"{name}~s{k}" for k in range(1, extra_seeds() + 1) for name in RESEEDED]
 

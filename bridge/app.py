@@ -57,6 +57,7 @@ class Bridge:
         self.http_port = 0
 
     async def start(self) -> None:
+        """Follow the configured engines (or start discovery) and serve gRPC and HTTP."""
         for endpoints in self.config.engines:
             self._follow(endpoints)
         handler = kv_events_handler(self.streams.get)
@@ -117,6 +118,7 @@ class Bridge:
         return {"status": "ok", "ready": self.ready, "bridge_id": self.bridge_id, "ranks": ranks}
 
     async def stop(self) -> None:
+        """Stop following, close the servers and sockets."""
         if self._discovery is not None:
             self._discovery.cancel()
         for task in self._tasks.values():

@@ -15,6 +15,7 @@ from bridge.stream import DEFAULT_QUEUE_SIZE, DEFAULT_RING_BATCHES, StreamLimits
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The `kvroute bridge` options."""
     parser = argparse.ArgumentParser(
         prog="kvroute bridge",
         description="Follow a vLLM engine's KV-cache events (ZMQ) and serve them over gRPC.",
@@ -68,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> BridgeConfig:
+    """The bridge configuration the options describe; ValueError for inconsistent ones."""
     if args.dp_ranks < 1:
         raise ValueError("--dp-ranks must be at least 1")
     engines = (
@@ -107,6 +109,7 @@ async def serve(config: BridgeConfig) -> None:
 
 
 def main(argv: list[str]) -> int:
+    """`kvroute bridge`: run until SIGTERM or SIGINT; 2 for bad options."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"

@@ -98,6 +98,7 @@ class RankStream:
 
     @property
     def subscriber_count(self) -> int:
+        """Connected subscribers."""
         return len(self._subscribers)
 
     # -- producer side (the follower) -----------------------------------------------------
@@ -182,6 +183,7 @@ class RankStream:
         return subscriber
 
     def unsubscribe(self, subscriber: Subscriber) -> None:
+        """Forget a subscriber that went away."""
         self._subscribers.discard(subscriber)
         self._metrics.subscribers.labels(self._label).set(len(self._subscribers))
 

@@ -35,6 +35,8 @@ from sim.events import KvEvent
 
 log = logging.getLogger(__name__)
 
+MALFORMED_KINDS = ("payload", "frames")  # a payload that is not msgpack; 2 frames, short seq
+
 
 @dataclass(frozen=True, slots=True)
 class PublisherConfig:
@@ -129,8 +131,8 @@ class EventPublisher:
 
     def send_malformed(self, kind: str = "payload") -> None:
         """Send one malformed message next: a bad payload (uses a seq) or bad frames."""
-        if kind not in ("payload", "frames"):
-            raise ValueError(f"malformed kind must be 'payload' or 'frames', not {kind!r}")
+        if kind not in MALFORMED_KINDS:
+            raise ValueError(f"malformed kind must be one of {MALFORMED_KINDS}, not {kind!r}")
         self._queue.put(_Control("malformed", malformed=kind))
 
     def set_replay_enabled(self, enabled: bool) -> None:

@@ -103,7 +103,7 @@ def build_app(
                     "object": "model",
                     "created": created,
                     "owned_by": "vllm",
-                    "root": f"/adapters/{name}",
+                    "root": cfg.lora_path(name),
                     "parent": cfg.model,
                     "max_model_len": None,
                     "permission": [perm()],

@@ -10,22 +10,18 @@ speculative or prefill-checkpoint Mamba blocks.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import ClassVar
 
-from sim.cache.hashing import Digest
+from sim.cache.hashing import Digest, block_digest
 from sim.cache.pool import Block, BlockPool, Key
 from sim.cache.request import CacheSeq
 from sim.cache_api import FULL_KINDS, GroupSpec
 
 
 def cdiv(a: int, b: int) -> int:
+    """Ceiling division."""
     return -(-a // b)
-
-
-def block_digest(hashes: Sequence[Digest], unit: int, block_size: int, i: int) -> Digest:
-    """Hash of group block i: the chain hash at its last hash-unit boundary (§4.4)."""
-    return hashes[(i + 1) * (block_size // unit) - 1]
 
 
 def mamba_checkpoint_position(num_tokens: int, unit: int) -> int:
@@ -39,7 +35,7 @@ HitBlocks = list[list[Block]]
 class GroupManager:
     """Shared bookkeeping: block tables, cached-block counts, partial-hit copy-on-write."""
 
-    fine_grained: ClassVar[bool] = False
+    fine_grained: ClassVar[bool] = False  # hits may end inside a block (vLLM's flag)
 
     def __init__(self, spec: GroupSpec, pool: BlockPool, group_id: int, scheduler_block: int):
         self.spec = spec
@@ -54,7 +50,13 @@ class GroupManager:
         self.pending_cow: list[tuple[Block, Block]] = []
 
     def blocks(self, rid: str) -> list[Block]:
+        """The request's block table (created empty on first use)."""
         return self.req_blocks.setdefault(rid, [])
+
+    @classmethod
+    def fine_lookup(cls, block_size: int, alignment: int) -> bool:
+        """Whether a lookup at this alignment probes hash-unit boundaries inside blocks."""
+        return cls.fine_grained and alignment < block_size and block_size % alignment == 0
 
     # ---- lookup (class-level: groups with one spec are looked up together) --------
     @classmethod
@@ -215,7 +217,6 @@ class FullAttentionManager(GroupManager):
         alignment: int,
     ) -> tuple[HitBlocks, int]:
         bs, unit = spec.block_size, pool.hash_unit
-        fine = alignment < bs and bs % alignment == 0
         found: HitBlocks = [[] for _ in group_ids]
         num_blocks = min(max_length // bs, len(hashes) // (bs // unit))
         for i in range(num_blocks):
@@ -225,7 +226,7 @@ class FullAttentionManager(GroupManager):
             for lst, blk in zip(found, cached, strict=True):
                 lst.append(blk)
         hit = len(found[0]) * bs
-        if fine:
+        if cls.fine_lookup(bs, alignment):
             # A partial entry inside the first missing block extends the hit (high to low).
             scale = bs // alignment
             first = len(found[0]) * scale
@@ -365,28 +366,26 @@ class MambaManager(GroupManager):
         alignment: int,
     ) -> tuple[HitBlocks, int]:
         bs, unit = spec.block_size, pool.hash_unit
+        # Where a state may be saved, highest first, with its hash: any hash-unit boundary
+        # (full or partial key) when fine-grained, else aligned block ends.
+        candidates: Iterable[tuple[int, Digest]]
+        if cls.fine_lookup(bs, alignment):
+            top = min(max_length // alignment, len(hashes))
+            candidates = (((i + 1) * alignment, hashes[i]) for i in range(top - 1, -1, -1))
+        else:
+            candidates = (
+                ((i + 1) * bs, block_digest(hashes, unit, bs, i))
+                for i in range(max_length // bs - 1, -1, -1)
+                if (i + 1) * bs % alignment == 0
+            )
         found: HitBlocks = [[] for _ in group_ids]
-        if alignment < bs and bs % alignment == 0:
-            # Fine-grained: any hash-unit boundary with a cached state (full or partial key).
-            scale = bs // alignment
-            for idx in range(min(max_length // alignment, len(hashes)) - 1, -1, -1):
-                cached = pool.get_cached(hashes[idx], group_ids)
-                if cached:
-                    for lst, blk in zip(found, cached, strict=True):
-                        lst.extend([pool.null_block] * (idx // scale))
-                        lst.append(blk)
-                    return found, (idx + 1) * alignment
-            return found, 0
-        for i in range(max_length // bs - 1, -1, -1):
-            cached = pool.get_cached(block_digest(hashes, unit, bs, i), group_ids)
-            if not cached:
-                continue
-            if bs != alignment and (i + 1) * bs % alignment != 0:
-                continue
-            for lst, blk in zip(found, cached, strict=True):
-                lst.extend([pool.null_block] * i)
-                lst.append(blk)
-            return found, (i + 1) * bs
+        for end, digest in candidates:
+            cached = pool.get_cached(digest, group_ids)
+            if cached:
+                for lst, blk in zip(found, cached, strict=True):
+                    lst.extend([pool.null_block] * ((end - 1) // bs))  # blocks before its own
+                    lst.append(blk)
+                return found, end
         return found, 0
 
     def num_skipped_tokens(self, num_computed: int) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
@@ -50,6 +51,7 @@ class EngineConfig:
     model_dir: str = str(MODEL_DIR)
 
     def cache_spec(self) -> CacheSpec:
+        """The cache layout and limits; ValueError if one max_model_len request cannot fit."""
         groups = self.groups or profile_groups(self.profile, self.sliding_window)
         spec = CacheSpec(
             groups=groups,
@@ -68,7 +70,12 @@ class EngineConfig:
         return spec
 
     def lora_id(self, name: str) -> int | None:
+        """The engine's id of a LoRA adapter (1, 2, ... in the configured order), or None."""
         return self.lora_adapters.index(name) + 1 if name in self.lora_adapters else None
+
+    def lora_path(self, name: str) -> str:
+        """Where a LoRA adapter is said to be loaded from (part of its block hashes)."""
+        return f"/adapters/{name}"
 
 
 @dataclass(slots=True)
@@ -125,6 +132,8 @@ class EngineOverloaded(EngineError):
 
 
 class Engine:
+    """One simulated engine: scheduler, cache and modelled GPU time (see the module doc)."""
+
     def __init__(
         self,
         config: EngineConfig,
@@ -185,18 +194,8 @@ class Engine:
                 f"the engine already has {self.config.max_waiting} requests waiting; retry later"
             )
         handle = RequestHandle(req, arrival=time.monotonic())
-        lora = req.lora_name
-        self.scheduler.add(
-            CacheRequest(
-                req.request_id,
-                tuple(req.prompt_ids),
-                lora_name=lora,
-                lora_id=self.config.lora_id(lora) if lora else None,
-                lora_path=f"/adapters/{lora}" if lora else None,
-                cache_salt=req.cache_salt,
-                max_tokens=max(1, req.max_tokens),
-            )
-        )
+        request = self._cache_request(req.request_id, req.prompt_ids, req.lora_name, req.cache_salt)
+        self.scheduler.add(dataclasses.replace(request, max_tokens=max(1, req.max_tokens)))
         self.handles[req.request_id] = handle
         self._streams[req.request_id] = OutputStream(
             req.prompt_ids,
@@ -221,20 +220,28 @@ class Engine:
     ) -> tuple[int, list[int]]:
         """(hit, per-group hits) this prompt would get if admitted now; no side effects."""
         rid = f"probe-{uuid.uuid4().hex}"
-        self.cache.add_request(
-            CacheRequest(
-                rid,
-                tuple(prompt_ids),
-                lora_name=lora_name,
-                lora_id=self.config.lora_id(lora_name) if lora_name else None,
-                lora_path=f"/adapters/{lora_name}" if lora_name else None,
-                cache_salt=cache_salt,
-            )
-        )
+        self.cache.add_request(self._cache_request(rid, prompt_ids, lora_name, cache_salt))
         try:
             return self.cache.lookup(rid).hit_tokens, self.cache.per_group_hits(rid)
         finally:
             self.cache.free(rid)
+
+    def _cache_request(
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        lora_name: str | None,
+        cache_salt: str | None,
+    ) -> CacheRequest:
+        """A prompt as the cache sees it (a LoRA adapter gets its id and path here)."""
+        return CacheRequest(
+            request_id,
+            tuple(prompt_ids),
+            lora_name=lora_name,
+            lora_id=self.config.lora_id(lora_name) if lora_name else None,
+            lora_path=self.config.lora_path(lora_name) if lora_name else None,
+            cache_salt=cache_salt,
+        )
 
     async def reset_prefix_cache(self) -> bool:
         """vLLM's reset_prefix_cache at the next step boundary (False if blocks are in use)."""

@@ -46,10 +46,6 @@ class Scheduled:
     new: bool  # admitted this step
     cached_tokens: int  # prefix-cache hit adopted on admission (0 otherwise)
 
-    @property
-    def is_decode(self) -> bool:
-        return not self.new and self.num_tokens == 1
-
 
 @dataclass(slots=True)
 class StepPlan:

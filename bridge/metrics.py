@@ -68,6 +68,14 @@ class BridgeMetrics:
             "state_evicted_blocks", "Blocks dropped from the snapshot state at its bound"
         )
         self.state_blocks = gauge("state_blocks", "Live block copies in the snapshot state")
+        self.evicted_lineage_blocks = counter(
+            "state_evicted_lineage_blocks",
+            "Lineage-only blocks (ancestors of live blocks) dropped at their bound",
+        )
+        self.lineage_blocks = gauge(
+            "state_lineage_blocks",
+            "Blocks kept only to place live blocks in snapshots (their ancestors)",
+        )
         # Subscribers.
         self.subscribers = gauge("subscribers", "Connected gRPC subscribers")
         self.snapshots = counter(

@@ -38,7 +38,7 @@ class Feed:
         """Replace the view with the snapshot's contents and take its sequence."""
         self.snapshots += 1
         self.lineage.discard(counted=False)
-        self.lineage.apply_batch(snapshot.events)
+        self.lineage.apply_batch(snapshot.events, lineage=snapshot.lineage)
         self.last_sequence = snapshot.sequence if snapshot.has_sequence else None
 
     def invalidate(self) -> None:

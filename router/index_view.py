@@ -69,6 +69,12 @@ class IndexView(Protocol):
         self, token_ids: Sequence[int], lora_name: str = "", cache_salt: str = ""
     ) -> Mapping[str, ReuseExplanation]: ...
 
+    def coverage(
+        self, token_ids: Sequence[int], lora_name: str = "", cache_salt: str = ""
+    ) -> Mapping[str, int | None]:
+        """Prompt tokens each worker's full-attention groups hold (may exceed the reuse)."""
+        ...
+
     def expect(
         self, worker: str, token_ids: Sequence[int], lora_name: str, cache_salt: str, ttl_s: float
     ) -> None:

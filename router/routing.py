@@ -18,7 +18,7 @@ from router.config import ModelSpec, PolicyConfig
 from router.errors import NO_WORKER, TOKENIZE, UNKNOWN_MODEL, RouterError
 from router.index_view import IndexView
 from router.metrics import RouterMetrics
-from router.openai_request import ClientRequest
+from router.openai_request import ClientRequest, skips_prefix_cache
 from router.policy import Decision, FullAttentionOnlyPolicy, Policy, RouteInput, session_key
 from router.tokenize.ratelog import RateLimitedLog
 from router.workers import ModelRoute, Worker, WorkerRegistry
@@ -49,6 +49,7 @@ class Prompt:
     n_tokens: int  # exact when token_ids is set, else estimated from the body size
     lora_name: str
     cache_salt: str
+    cacheable: bool = True  # False: vLLM will not read the prefix cache for it
 
 
 class Routing:
@@ -130,7 +131,9 @@ class Routing:
             return Prompt(None, "none", estimate, route.lora_name, req.cache_salt)
         self._metrics.child(self._metrics.token_source, got.source).inc()
         ids = got.token_ids
-        return Prompt(ids, got.source, len(ids), route.lora_name, req.cache_salt)
+        return Prompt(
+            ids, got.source, len(ids), route.lora_name, req.cache_salt, not skips_prefix_cache(req)
+        )
 
     def _render_worker(self, route: ModelRoute) -> str | None:
         workers = self.eligible(route)
@@ -142,6 +145,8 @@ class Routing:
         """Predicted reuse per worker; streams that are down count as no evidence."""
         if prompt.token_ids is None:
             return _EMPTY
+        if not prompt.cacheable:
+            return dict.fromkeys(self.registry.names(), 0)  # vLLM will reuse nothing
         ids, lora, salt = prompt.token_ids, prompt.lora_name, prompt.cache_salt
         try:
             if self._fa_only:
@@ -173,7 +178,9 @@ class Routing:
         workers = self.eligible(route, exclude)
         key = session_key(req.header_map, req.body, self.cfg)
         decision = self.policy.decide(
-            workers, RouteInput(prompt.n_tokens, reuse, key), self._clock()
+            workers,
+            RouteInput(prompt.n_tokens, reuse, key, self.coverage_lookup(prompt)),
+            self._clock(),
         )
         self._decision_hist.observe(time.perf_counter() - started)
         self._metrics.child(self._decision_count, decision.policy, decision.reason).inc()
@@ -185,9 +192,29 @@ class Routing:
             )
         return decision
 
+    def coverage_lookup(self, prompt: Prompt) -> Callable[[], Mapping[str, int | None]] | None:
+        """A lazy full-attention coverage lookup for the policy (None without ids)."""
+        ids = prompt.token_ids
+        if ids is None or self._fa_only or not prompt.cacheable:
+            return None
+
+        def lookup() -> Mapping[str, int | None]:
+            try:
+                found = self.index.coverage(ids, prompt.lora_name, prompt.cache_salt)
+            except Exception as exc:
+                self._ratelog.error("coverage", "index coverage failed: %r", exc)
+                self._metrics.child(self._metrics.errors, "index").inc()
+                return _EMPTY
+            down = self._unusable()
+            if down:
+                return {name: (None if name in down else v) for name, v in found.items()}
+            return found
+
+        return lookup
+
     def expect(self, worker: Worker, prompt: Prompt) -> None:
         """Credit the chosen worker with this prompt until its events arrive (or expiry)."""
-        if prompt.token_ids is not None and self.cfg.expect_seconds > 0:
+        if prompt.token_ids is not None and prompt.cacheable and self.cfg.expect_seconds > 0:
             try:
                 self.index.expect(
                     worker.name,

@@ -37,9 +37,8 @@ class Rig:
 
     async def bridge(self, *engines: EngineEndpoints, **config: Any) -> Bridge:
         config.setdefault("replay_timeout", 1.0)
-        bridge = Bridge(
-            BridgeConfig(engines=engines, listen="127.0.0.1:0", http="127.0.0.1:0", **config)
-        )
+        config.setdefault("listen", "127.0.0.1:0")
+        bridge = Bridge(BridgeConfig(engines=engines, http="127.0.0.1:0", **config))
         await bridge.start()
         self._stack.push_async_callback(bridge.stop)
         return bridge
@@ -381,5 +380,35 @@ def test_data_parallel_ranks_are_separate_streams() -> None:
             recs[1].batches()[0].dp_rank == 1
             and recs[0].position.stream_id != recs[1].position.stream_id
         )
+
+    run(main)
+
+
+def test_client_reconnects_to_a_restarted_bridge_and_gets_a_snapshot() -> None:
+    async def main(rig: Rig) -> None:
+        engine = rig.engine()
+        first = Bridge(
+            BridgeConfig(
+                engines=(engine.endpoints(),),
+                listen="127.0.0.1:0",
+                http="127.0.0.1:0",
+                replay_timeout=1.0,
+            )
+        )
+        await first.start()
+        port = first.grpc_port
+        rec = rig.recorder(first)  # keeps running across the bridge restart
+        await connected(first)
+        await engine.publish([store([1], None, TOKENS[:16])])
+        await rec.wait_for(lambda: rec.position.sequence == 0)
+        first_id = rec.position.stream_id
+        await first.stop()
+        bridge = await rig.bridge(engine.endpoints(), listen=f"127.0.0.1:{port}")
+        await rec.wait_for(lambda: rec.position.stream_id not in ("", first_id))
+        assert rec.snapshots()[-1].reason == "resume_unavailable"
+        await connected(bridge)
+        await engine.publish([store([2], 1, TOKENS[16:32])])
+        await rec.wait_for(lambda: (0, be(2)) in rec.view.counts)
+        assert set(rec.view.counts) == {(0, be(1)), (0, be(2))}  # history joined via replay
 
     run(main)

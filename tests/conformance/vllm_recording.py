@@ -126,6 +126,7 @@ SCENARIOS = [
     "preempt_hybrid16",
     "long_hybrid_w512",
     "swa_only_dense",
+    "mamba_swa_dense",
     "limit_nonprefix_lcm",
     "limit_pmu16_fa64",
     "limit_swa_only_r0",

@@ -1,0 +1,136 @@
+"""Child processes for benchmarks: own process group, bounded waits, always cleaned up.
+
+Every process a benchmark starts goes through :class:`ProcessGroup`: each child runs in its
+own session (so its own children die with it), its output goes to a log file, and
+``stop_all`` (also on exit of the ``with`` block) sends SIGTERM to each group, waits a
+bounded time, then SIGKILLs whatever is left.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+
+def free_port() -> int:
+    """A currently free TCP port on 127.0.0.1 (ephemeral range)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_http(url: str, timeout_s: float, proc: subprocess.Popen[bytes] | None = None) -> None:
+    """Wait until GET ``url`` answers with any HTTP status < 500; raise TimeoutError."""
+    deadline = time.monotonic() + timeout_s
+    last = ""
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before {url} answered")
+        try:
+            with urllib.request.urlopen(url, timeout=1.0) as resp:
+                if resp.status < 500:
+                    return
+        except urllib.error.HTTPError as exc:
+            if exc.code < 500:
+                return
+            last = f"http {exc.code}"
+        except (urllib.error.URLError, OSError) as exc:
+            last = str(exc)
+        time.sleep(0.1)
+    raise TimeoutError(f"{url} did not answer within {timeout_s}s ({last})")
+
+
+@dataclass
+class Child:
+    name: str
+    popen: subprocess.Popen[bytes]
+    log: Path
+
+    def tail(self, n: int = 20) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+
+class ProcessGroup:
+    """Starts children in their own sessions and stops all of them (see module docstring)."""
+
+    def __init__(self, log_dir: str | Path, term_timeout_s: float = 5.0) -> None:
+        self.log_dir = Path(log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.term_timeout_s = term_timeout_s
+        self.children: list[Child] = []
+
+    def start(
+        self,
+        name: str,
+        cmd: Sequence[str],
+        env: dict[str, str] | None = None,
+        cwd: str | Path | None = None,
+    ) -> Child:
+        log = self.log_dir / f"{name}.log"
+        with open(log, "wb") as out:
+            popen = subprocess.Popen(
+                list(cmd),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, **(env or {})},
+                cwd=cwd,
+                start_new_session=True,
+            )
+        child = Child(name, popen, log)
+        self.children.append(child)
+        return child
+
+    def stop(self, child: Child) -> None:
+        """SIGTERM the child's process group, wait, then SIGKILL it."""
+        p = child.popen
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(timeout=self.term_timeout_s)
+        # Grandchildren may outlive a parent that exited on SIGTERM: kill the group anyway.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(timeout=self.term_timeout_s)
+        if child in self.children:
+            self.children.remove(child)
+
+    def stop_all(self) -> None:
+        for child in reversed(list(self.children)):
+            self.stop(child)
+
+    def __enter__(self) -> ProcessGroup:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop_all()
+
+
+def group_alive(pgid: int) -> bool:
+    """True if any process of group ``pgid`` still exists (for leak checks)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -56,8 +56,11 @@ def _cpu_seconds(pid: int) -> float:
 
 
 @contextlib.contextmanager
-def running_router(engine_url: str, processes: int = 1) -> Iterator[tuple[str, int]]:
-    """`kvroute serve` in front of one instant engine; yields (base URL, pid)."""
+def running_router(
+    engine_url: str, processes: int = 1, src: str | None = None
+) -> Iterator[tuple[str, int]]:
+    """`kvroute serve` in front of one instant engine; yields (base URL, pid). `src`: run the
+    router from another checkout (a baseline for side-by-side numbers)."""
     port = _free_port()
     config = {
         "workers": [{"name": "w0", "url": engine_url, "model": "m"}],
@@ -70,8 +73,14 @@ def running_router(engine_url: str, processes: int = 1) -> Iterator[tuple[str, i
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         yaml.safe_dump(config, f)
         path = f.name
+    env = None
+    if src is not None:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvroute", "serve", "--config", path], start_new_session=True
+        [sys.executable, "-m", "kvroute", "serve", "--config", path],
+        start_new_session=True,
+        cwd=src,
+        env=env,
     )
     url = f"http://127.0.0.1:{port}"
     try:
@@ -141,35 +150,46 @@ async def _load(url: str, stream: bool, concurrency: int, total: int) -> dict[st
     }
 
 
-def proxy_overhead(total: int) -> list[dict[str, Any]]:
+def proxy_overhead(total: int, baseline: str | None = None) -> list[dict[str, Any]]:
+    """Direct vs through the router (and through a baseline checkout's router, if given: the
+    same engine, the cells interleaved, so both see the same machine)."""
     cells = []
-    with running_engine(chunks=16) as engine, running_router(engine) as (router, pid):
+    with contextlib.ExitStack() as stack:
+        engine = stack.enter_context(running_engine(chunks=16))
+        routers = {"router": stack.enter_context(running_router(engine))}
+        if baseline is not None:
+            routers["baseline"] = stack.enter_context(running_router(engine, src=baseline))
         for stream in (False, True):
             for concurrency in (1, 64):
                 path = "/v1/completions"
                 direct = uvloop.run(_load(engine + path, stream, concurrency, total))
-                cpu0 = _cpu_seconds(pid)
-                via = uvloop.run(_load(router + path, stream, concurrency, total))
-                cpu = _cpu_seconds(pid) - cpu0
-                cell = {
-                    "stream": stream,
-                    "concurrency": concurrency,
-                    "direct": direct,
-                    "router": via,
-                    "added_median_ms": via["median_ms"] - direct["median_ms"],
-                    "added_p99_ms": via["p99_ms"] - direct["p99_ms"],
-                    # the CPU window includes the warm-up requests: divide by all sent
-                    "router_cpu_us_per_req": cpu / via["sent"] * 1e6,
-                }
+                cell: dict[str, Any] = {"stream": stream, "concurrency": concurrency}
+                cell["direct"] = direct
+                for label, (router, pid) in routers.items():
+                    cpu0 = _cpu_seconds(pid)
+                    via = uvloop.run(_load(router + path, stream, concurrency, total))
+                    cpu = _cpu_seconds(pid) - cpu0
+                    measured = {
+                        "router": via,
+                        "added_median_ms": via["median_ms"] - direct["median_ms"],
+                        "added_p99_ms": via["p99_ms"] - direct["p99_ms"],
+                        # the CPU window includes the warm-up requests: divide by all sent
+                        "router_cpu_us_per_req": cpu / via["sent"] * 1e6,
+                    }
+                    if label == "router":
+                        cell.update(measured)
+                    else:
+                        cell[label] = measured
+                    print(
+                        f"{label:8s} stream={stream!s:5s} c={concurrency:<3d} direct median "
+                        f"{direct['median_ms']:.3f} ms  router {via['median_ms']:.3f} ms  added "
+                        f"{measured['added_median_ms']:.3f} ms "
+                        f"(p99 {measured['added_p99_ms']:.3f})  "
+                        f"{via['req_per_s']:.0f} vs {direct['req_per_s']:.0f} req/s  router cpu "
+                        f"{measured['router_cpu_us_per_req']:.0f} us/req",
+                        flush=True,
+                    )
                 cells.append(cell)
-                print(
-                    f"stream={stream!s:5s} c={concurrency:<3d} direct median "
-                    f"{direct['median_ms']:.3f} ms  router {via['median_ms']:.3f} ms  added "
-                    f"{cell['added_median_ms']:.3f} ms (p99 {cell['added_p99_ms']:.3f})  "
-                    f"{via['req_per_s']:.0f} vs {direct['req_per_s']:.0f} req/s  router cpu "
-                    f"{cell['router_cpu_us_per_req']:.0f} us/req",
-                    flush=True,
-                )
     return cells
 
 
@@ -212,34 +232,46 @@ async def _paced_load(url: str, concurrency: int, total: int) -> dict[str, Any]:
     }
 
 
-def paced_streams(total: int, concurrency: int = 64, pace_ms: float = 20.0) -> dict[str, Any]:
+def paced_streams(
+    total: int, concurrency: int = 64, pace_ms: float = 20.0, baseline: str | None = None
+) -> dict[str, Any]:
     """64 concurrent streams whose engine sends one event per `pace_ms` (a decode step)."""
-    with (
-        running_engine(chunks=16, pace_ms=pace_ms) as engine,
-        running_router(engine) as (router, pid),
-    ):
+    with contextlib.ExitStack() as stack:
+        engine = stack.enter_context(running_engine(chunks=16, pace_ms=pace_ms))
+        routers = {"router": stack.enter_context(running_router(engine))}
+        if baseline is not None:
+            routers["baseline"] = stack.enter_context(running_router(engine, src=baseline))
         path = "/v1/completions"
         direct = uvloop.run(_paced_load(engine + path, concurrency, total))
-        cpu0 = _cpu_seconds(pid)
-        via = uvloop.run(_paced_load(router + path, concurrency, total))
-        cpu = _cpu_seconds(pid) - cpu0
-    result = {
-        "concurrency": concurrency,
-        "pace_ms": pace_ms,
-        "requests": total,
-        "direct": direct,
-        "router": via,
-        "added_first_median_ms": via["first_median_ms"] - direct["first_median_ms"],
-        "added_first_p99_ms": via["first_p99_ms"] - direct["first_p99_ms"],
-        "added_total_median_ms": via["total_median_ms"] - direct["total_median_ms"],
-        "router_cpu_us_per_req": cpu / (total + concurrency) * 1e6,
-    }
-    print(
-        f"paced streams c={concurrency} ({pace_ms} ms/event): time to first chunk added "
-        f"{result['added_first_median_ms']:.3f} ms median (p99 {result['added_first_p99_ms']:.3f})"
-        f", whole stream added {result['added_total_median_ms']:.3f} ms",
-        flush=True,
-    )
+        result: dict[str, Any] = {
+            "concurrency": concurrency,
+            "pace_ms": pace_ms,
+            "requests": total,
+            "direct": direct,
+        }
+        for label, (router, pid) in routers.items():
+            cpu0 = _cpu_seconds(pid)
+            via = uvloop.run(_paced_load(router + path, concurrency, total))
+            cpu = _cpu_seconds(pid) - cpu0
+            measured = {
+                "router": via,
+                "added_first_median_ms": via["first_median_ms"] - direct["first_median_ms"],
+                "added_first_p99_ms": via["first_p99_ms"] - direct["first_p99_ms"],
+                "added_total_median_ms": via["total_median_ms"] - direct["total_median_ms"],
+                "router_cpu_us_per_req": cpu / (total + concurrency) * 1e6,
+            }
+            if label == "router":
+                result.update(measured)
+            else:
+                result[label] = measured
+            print(
+                f"{label:8s} paced streams c={concurrency} ({pace_ms} ms/event): time to first "
+                f"chunk added {measured['added_first_median_ms']:.3f} ms median (p99 "
+                f"{measured['added_first_p99_ms']:.3f}), whole stream added "
+                f"{measured['added_total_median_ms']:.3f} ms, router cpu "
+                f"{measured['router_cpu_us_per_req']:.0f} us/req",
+                flush=True,
+            )
     return result
 
 
@@ -438,11 +470,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=3000, help="requests per cell")
     p.add_argument("--smoke", action="store_true", help="seconds: few requests, small index")
     p.add_argument("--out", default=str(RESULTS))
+    p.add_argument(
+        "--baseline",
+        metavar="DIR",
+        help="also run the router from this checkout (e.g. `git archive main`), side by side",
+    )
     args = p.parse_args(argv)
     total = 200 if args.smoke else args.requests
     load_before = os.getloadavg()[0]
-    proxy = proxy_overhead(total)
-    paced = paced_streams(128 if args.smoke else 1280)
+    proxy = proxy_overhead(total, args.baseline)
+    paced = paced_streams(128 if args.smoke else 1280, baseline=args.baseline)
     decision = decision_time(4096, 32, 50) if args.smoke else decision_time(32768, 256, 300)
     events = event_apply(8192 if args.smoke else 102_400, 200 if args.smoke else 2000)
     result = {
@@ -453,7 +490,10 @@ def main(argv: list[str] | None = None) -> int:
         "paced": paced,
         "events": events,
         "decision": decision,
-        "command": "python -m bench.router_overhead_bench" + (" --smoke" if args.smoke else ""),
+        "command": "python -m bench.router_overhead_bench"
+        + (" --smoke" if args.smoke else "")
+        + (" --baseline DIR" if args.baseline else ""),
+        "baseline": args.baseline,
         "cpus": os.cpu_count(),
         "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)],
     }

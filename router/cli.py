@@ -86,6 +86,7 @@ def main(argv: list[str]) -> int:
         "http": "httptools",
         "lifespan": "on",
         "access_log": False,
+        "proxy_headers": False,  # the router never reads the client address
         "server_header": False,
         "log_level": config.log_level,
         "timeout_graceful_shutdown": int(config.timeouts.shutdown_s),

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,20 +52,20 @@ from router.workers import Worker, WorkerRegistry
 
 log = logging.getLogger("kvroute.router.proxy")
 
-Scope = dict[str, Any]
+Scope = MutableMapping[str, Any]
 Receive = Callable[[], Any]
 Send = Callable[[dict[str, Any]], Any]
 
 _RESPONSE_DROP = frozenset(
     {
-        "content-length",
-        "transfer-encoding",
-        "connection",
-        "keep-alive",
-        "server",
-        "date",
-        "trailer",
-        "upgrade",
+        b"content-length",
+        b"transfer-encoding",
+        b"connection",
+        b"keep-alive",
+        b"server",
+        b"date",
+        b"trailer",
+        b"upgrade",
     }
 )
 _JSON = [(b"content-type", b"application/json")]
@@ -460,11 +460,7 @@ def _single_prompt(req: ClientRequest) -> bool:
 
 
 def _resp_headers(resp: UpstreamResponse) -> list[tuple[bytes, bytes]]:
-    return [
-        (k.lower().encode("latin-1"), v.encode("latin-1"))
-        for k, v in resp.headers.items()
-        if k.lower() not in _RESPONSE_DROP
-    ]
+    return [(k, v) for k, v in resp.headers if k not in _RESPONSE_DROP]
 
 
 def _too_large(limit: int) -> RouterError:

@@ -154,11 +154,17 @@ class FleetIndex:
     ) -> None:
         """Record that a prompt was just sent to a worker: until `expires_at` (or until
         the worker's events confirm it), requests sharing it are credited there."""
+        keys = content_keys(token_ids, namespace, self.hash_unit)
+        self.expect_keys(worker_id, keys, len(token_ids), expires_at)
+
+    def expect_keys(
+        self, worker_id: str, keys: Sequence[int], n_tokens: int, expires_at: float
+    ) -> None:
+        """`expect` from `content_keys` the caller already computed (for `score_keys`)."""
         w = self._worker(worker_id)
         layout = w.lineage.layout()
         alignment = layout.alignment if layout.usable else self.hash_unit
-        keys = content_keys(token_ids, namespace, self.hash_unit)
-        self._spec.add(w.index, keys, len(token_ids), alignment, self.hash_unit, expires_at)
+        self._spec.add(w.index, keys, n_tokens, alignment, self.hash_unit, expires_at)
 
     def expire(self, now: float) -> None:
         """Drop expectations with expires_at <= now."""

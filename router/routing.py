@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -50,6 +50,7 @@ class Prompt:
     lora_name: str
     cache_salt: str
     cacheable: bool = True  # False: vLLM will not read the prefix cache for it
+    keys: Sequence[int] | None = None  # the index's keys for it, computed once (`Routing.keys`)
 
 
 class Routing:
@@ -141,6 +142,14 @@ class Routing:
             return None
         return min(workers, key=lambda w: w.load.running).url
 
+    def keys(self, prompt: Prompt) -> Sequence[int] | None:
+        """The prompt's index keys, hashed on first use and kept on the prompt."""
+        if prompt.keys is None and prompt.token_ids is not None:
+            prompt.keys = self.index.prompt_keys(
+                prompt.token_ids, prompt.lora_name, prompt.cache_salt
+            )
+        return prompt.keys
+
     def reuse(self, prompt: Prompt) -> Mapping[str, int | None]:
         """Predicted reuse per worker; streams that are down count as no evidence."""
         if prompt.token_ids is None:
@@ -149,13 +158,14 @@ class Routing:
             return dict.fromkeys(self.registry.names(), 0)  # vLLM will reuse nothing
         ids, lora, salt = prompt.token_ids, prompt.lora_name, prompt.cache_salt
         try:
+            keys = self.keys(prompt)
             if self._fa_only:
                 scores: Mapping[str, int | None] = {
                     name: exp.full_attention_only()
-                    for name, exp in self.index.explain(ids, lora, salt).items()
+                    for name, exp in self.index.explain(ids, lora, salt, keys).items()
                 }
             else:
-                scores = self.index.score(ids, lora, salt)
+                scores = self.index.score(ids, lora, salt, keys)
         except Exception as exc:  # an index bug must not fail requests: route without evidence
             self._ratelog.error("score", "index scoring failed, routing without it: %r", exc)
             self._metrics.child(self._metrics.errors, "index").inc()
@@ -200,7 +210,9 @@ class Routing:
 
         def lookup() -> Mapping[str, int | None]:
             try:
-                found = self.index.coverage(ids, prompt.lora_name, prompt.cache_salt)
+                found = self.index.coverage(
+                    ids, prompt.lora_name, prompt.cache_salt, self.keys(prompt)
+                )
             except Exception as exc:
                 self._ratelog.error("coverage", "index coverage failed: %r", exc)
                 self._metrics.child(self._metrics.errors, "index").inc()
@@ -222,6 +234,7 @@ class Routing:
                     prompt.lora_name,
                     prompt.cache_salt,
                     self.cfg.expect_seconds,
+                    self.keys(prompt),
                 )
             except Exception as exc:
                 self._ratelog.error("expect", "index expectation failed: %r", exc)

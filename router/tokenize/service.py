@@ -127,8 +127,9 @@ class Tokenizers:
         except NotExact as exc:
             self._unavailable(key, exc.reason)
             return None
-        self._metrics.seconds.labels(spec.mode).observe(time.perf_counter() - started)
-        self._metrics.results.labels(key, result.source).inc()
+        m = self._metrics
+        m.child(m.seconds, spec.mode).observe(time.perf_counter() - started)
+        m.child(m.results, key, result.source).inc()
         return result
 
     def _unavailable(self, key: str, reason: str) -> None:

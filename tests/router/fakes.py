@@ -19,15 +19,28 @@ class ScriptedIndex:
     snapshots: list[tuple[str, str]] = field(default_factory=list)
     removed: list[str] = field(default_factory=list)
 
-    def score(
+    def prompt_keys(
         self, token_ids: Sequence[int], lora_name: str = "", cache_salt: str = ""
+    ) -> Sequence[int] | None:
+        return None
+
+    def score(
+        self,
+        token_ids: Sequence[int],
+        lora_name: str = "",
+        cache_salt: str = "",
+        keys: Sequence[int] | None = None,
     ) -> Mapping[str, int | None]:
         return {
             k: (None if v is None else min(v, len(token_ids) - 1)) for k, v in self.scores.items()
         }
 
     def explain(
-        self, token_ids: Sequence[int], lora_name: str = "", cache_salt: str = ""
+        self,
+        token_ids: Sequence[int],
+        lora_name: str = "",
+        cache_salt: str = "",
+        keys: Sequence[int] | None = None,
     ) -> Mapping[str, ReuseExplanation]:
         return {
             k: ReuseExplanation(v, [], 16, "scripted") for k, v in self.score(token_ids).items()
@@ -36,12 +49,22 @@ class ScriptedIndex:
     coverages: dict[str, int | None] = field(default_factory=dict)
 
     def coverage(
-        self, token_ids: Sequence[int], lora_name: str = "", cache_salt: str = ""
+        self,
+        token_ids: Sequence[int],
+        lora_name: str = "",
+        cache_salt: str = "",
+        keys: Sequence[int] | None = None,
     ) -> Mapping[str, int | None]:
         return dict(self.coverages)
 
     def expect(
-        self, worker: str, token_ids: Sequence[int], lora_name: str, cache_salt: str, ttl_s: float
+        self,
+        worker: str,
+        token_ids: Sequence[int],
+        lora_name: str,
+        cache_salt: str,
+        ttl_s: float,
+        keys: Sequence[int] | None = None,
     ) -> None:
         self.expected.append((worker, len(token_ids), lora_name, cache_salt))
 

@@ -136,6 +136,23 @@ class Expectations:
             self._dec(self._boundary, self._boundary_counts, exp.boundary_key, index)
         self._keys -= len(exp.keys)
 
+    def move(self, old: int, new: int) -> None:
+        """A worker's index changed from `old` to `new`: its expectations follow."""
+        mine = self._by_worker.pop(old, None)
+        if not mine:
+            return
+        prefix, prefix_counts = self._prefix, self._prefix_counts
+        for exp_id, exp in mine.items():
+            for key in exp.keys:
+                self._dec(prefix, prefix_counts, key, old)
+                self._inc(prefix, prefix_counts, key, new)
+            if exp.boundary_key is not None:
+                self._dec(self._boundary, self._boundary_counts, exp.boundary_key, old)
+                self._inc(self._boundary, self._boundary_counts, exp.boundary_key, new)
+            exp.index = new
+            heapq.heappush(self._heap, (exp.expires_at, exp_id, new))  # old entries: no-ops
+        self._by_worker[new] = mine
+
     def expire(self, now: float) -> None:
         """Drop expectations with expires_at <= now."""
         while self._heap and self._heap[0][0] <= now:

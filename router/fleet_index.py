@@ -5,7 +5,7 @@ owns time: expectations get an absolute expiry and are expired lazily on scoring
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from indexer import FleetIndex, Namespace, content_keys
 from proto import events_pb2
@@ -113,6 +113,11 @@ class FleetIndexView:
 
     def apply_snapshot(self, worker: str, snapshot: events_pb2.Snapshot) -> None:
         self.index.apply_snapshot(worker, snapshot)
+
+    def apply_snapshot_steps(
+        self, worker: str, snapshot: events_pb2.Snapshot, blocks_per_step: int
+    ) -> Iterator[None]:
+        return self.index.apply_snapshot_steps(worker, snapshot, blocks_per_step)
 
     def invalidate(self, worker: str) -> None:
         self.index.invalidate(worker)

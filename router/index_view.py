@@ -7,7 +7,7 @@ expectations, statistics as plain records).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -111,6 +111,13 @@ class IndexView(Protocol):
 
     def apply(self, worker: str, batch: events_pb2.KvEventBatch) -> None: ...
     def apply_snapshot(self, worker: str, snapshot: events_pb2.Snapshot) -> None: ...
+    def apply_snapshot_steps(
+        self, worker: str, snapshot: events_pb2.Snapshot, blocks_per_step: int
+    ) -> Iterator[None]:
+        """`apply_snapshot` in steps of about `blocks_per_step` blocks, yielding between
+        them; the worker's old view answers until the new one is complete."""
+        ...
+
     def invalidate(self, worker: str) -> None: ...
     def remove_worker(self, worker: str) -> None: ...
     def set_alignment(self, worker: str, alignment: int | None) -> None: ...

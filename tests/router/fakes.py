@@ -3,7 +3,7 @@ depend on event timing; the real `indexer.FleetIndex` is used by the integration
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from proto import events_pb2
@@ -73,6 +73,12 @@ class ScriptedIndex:
 
     def apply_snapshot(self, worker: str, snapshot: events_pb2.Snapshot) -> None:
         self.snapshots.append((worker, snapshot.reason))
+
+    def apply_snapshot_steps(
+        self, worker: str, snapshot: events_pb2.Snapshot, blocks_per_step: int
+    ) -> Iterator[None]:
+        self.apply_snapshot(worker, snapshot)
+        yield
 
     def invalidate(self, worker: str) -> None:
         self.invalidated.append(worker)

@@ -89,19 +89,18 @@ class Expectations:
     ) -> None:
         """Expect worker `index` to hold the prompt (n_tokens, these content keys) until
         `expires_at`."""
-        unit_keys = list(keys)
-        if not unit_keys:
+        if not keys:
             return
         boundary = max(n_tokens - 1, 0)
         boundary -= boundary % alignment
-        boundary_key = unit_keys[boundary // hash_unit - 1] if boundary else None
         mine = self._by_worker.setdefault(index, {})
-        for exp_id, exp in mine.items():  # the same prompt again: extend it
-            if exp.keys[-1] == unit_keys[-1] and exp.boundary == boundary:
-                if expires_at > exp.expires_at:
-                    exp.expires_at = expires_at
-                    heapq.heappush(self._heap, (expires_at, exp_id, index))
+        for exp in mine.values():  # the same prompt again: extend it
+            if exp.keys[-1] == keys[-1] and exp.boundary == boundary:
+                # its heap entry is pushed again, with the new time, when it comes up
+                exp.expires_at = max(exp.expires_at, expires_at)
                 return
+        unit_keys = list(keys)
+        boundary_key = unit_keys[boundary // hash_unit - 1] if boundary else None
         exp_id = self._next_id
         self._next_id += 1
         exp = _Expectation(index, unit_keys, boundary_key, boundary, expires_at)
@@ -114,10 +113,15 @@ class Expectations:
             self._remove(index, min(mine, key=lambda i: mine[i].expires_at))
             self.dropped += 1
         while self._keys > self._max_keys and self._heap:
-            _, victim, vindex = heapq.heappop(self._heap)
-            if victim in self._by_worker.get(vindex, {}):
-                self._remove(vindex, victim)
-                self.dropped += 1
+            at, victim, vindex = heapq.heappop(self._heap)
+            found = self._by_worker.get(vindex, {}).get(victim)
+            if found is None:
+                continue
+            if found.expires_at > at:  # extended since: not the soonest to expire
+                heapq.heappush(self._heap, (found.expires_at, victim, vindex))
+                continue
+            self._remove(vindex, victim)
+            self.dropped += 1
 
     def _remove(self, index: int, exp_id: int) -> None:
         mine = self._by_worker.get(index)
@@ -147,11 +151,15 @@ class Expectations:
     def expire(self, now: float) -> None:
         """Drop expectations with expires_at <= now."""
         while self._heap and self._heap[0][0] <= now:
-            _, exp_id, index = heapq.heappop(self._heap)
+            at, exp_id, index = heapq.heappop(self._heap)
             exp = self._by_worker.get(index, {}).get(exp_id)
-            if exp is not None and exp.expires_at <= now:
+            if exp is None:
+                continue
+            if exp.expires_at <= now:
                 self._remove(index, exp_id)
                 self.expired += 1
+            elif exp.expires_at > at:  # extended since it was pushed
+                heapq.heappush(self._heap, (exp.expires_at, exp_id, index))
 
     def remove_worker(self, index: int) -> None:
         for exp_id in list(self._by_worker.get(index, {})):

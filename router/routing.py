@@ -36,7 +36,11 @@ class TokenizedLike(Protocol):
 
 class TokenizerLike(Protocol):
     async def token_ids(
-        self, model: str, endpoint: str, body: dict[str, Any], worker_url_for_render: str | None
+        self,
+        model: str,
+        endpoint: str,
+        body: dict[str, Any],
+        worker_url_for_render: str | Callable[[], str | None] | None,
     ) -> TokenizedLike | None: ...
 
 
@@ -117,12 +121,15 @@ class Routing:
             if w.takes_requests(now) and w.name not in exclude
         ]
 
+    def any_eligible(self, route: ModelRoute) -> bool:
+        now = self._clock()
+        return any(w.takes_requests(now) for w in self.registry.serving(route.name))
+
     async def prompt(self, req: ClientRequest, route: ModelRoute) -> Prompt:
         """Exact token ids when the model's tokenizer can give them; TokenizeError -> 400."""
-        render_worker = self._render_worker(route)
         try:
             got = await self._tokenizers.token_ids(
-                route.base, req.endpoint, req.body, render_worker
+                route.base, req.endpoint, req.body, lambda: self._render_worker(route)
             )
         except ValueError as exc:  # router.tokenize.TokenizeError subclasses ValueError
             raise RouterError(TOKENIZE, str(exc), param=getattr(exc, "param", None)) from None

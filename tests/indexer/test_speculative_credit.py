@@ -71,3 +71,25 @@ def test_credit_matches_brute_force(seed: int, workers: int) -> None:
         cap = len(ids) - 1
         got = exps.credit(keys, cap, UNIT, rules.__getitem__)
         assert got == brute_force(exps, keys, cap, rules)
+
+
+def test_extending_an_expectation_keeps_one_heap_entry_and_the_latest_expiry() -> None:
+    exps = Expectations(max_per_worker=8, max_keys=10_000)
+    ids = list(range(100, 164))
+    keys = content_keys(ids)
+    for t in range(1000):
+        exps.add(0, keys, len(ids), 16, UNIT, expires_at=10.0 + t)
+    assert len(exps._heap) == 1 and len(exps) == 1
+    exps.expire(500.0)  # the entry comes up, the expectation lives on: pushed again
+    assert len(exps) == 1 and len(exps._heap) == 1
+    exps.expire(1009.0)
+    assert len(exps) == 0 and exps.expired == 1
+
+
+def test_the_key_cap_drops_the_soonest_to_expire_even_after_extensions() -> None:
+    a, b = list(range(100, 164)), list(range(200, 264))
+    exps = Expectations(max_per_worker=8, max_keys=6)  # room for one 4-key prompt
+    exps.add(0, content_keys(a), 64, 16, UNIT, expires_at=1.0)
+    exps.add(0, content_keys(a), 64, 16, UNIT, expires_at=50.0)  # a now outlives b
+    exps.add(1, content_keys(b), 64, 16, UNIT, expires_at=20.0)
+    assert len(exps) == 1 and exps.count(0) == 1 and exps.dropped == 1

@@ -474,6 +474,29 @@ async def _loop_stalls(snap: Any) -> dict[str, Any]:
     }
 
 
+def _baseline_lines(result: dict[str, Any]) -> list[str]:
+    """Side by side with the baseline router, when one ran (same engine, same machine)."""
+    if not result.get("baseline"):
+        return []
+    lines = [
+        f"Side by side in the same run with the baseline router (`{result['baseline']}`):",
+        "",
+        "| stream | concurrency | router CPU µs/req | baseline CPU µs/req | ratio | "
+        "added median ms | baseline added median ms | router req/s | baseline req/s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for c in result["proxy"]:
+        b = c["baseline"]
+        lines.append(
+            f"| {c['stream']} | {c['concurrency']} | {c['router_cpu_us_per_req']:.0f} | "
+            f"{b['router_cpu_us_per_req']:.0f} | "
+            f"{b['router_cpu_us_per_req'] / c['router_cpu_us_per_req']:.2f}x | "
+            f"{c['added_median_ms']:.3f} | {b['added_median_ms']:.3f} | "
+            f"{c['router']['req_per_s']:.0f} | {b['router']['req_per_s']:.0f} |"
+        )
+    return [*lines, "", "This router alone:", ""]
+
+
 def to_markdown(result: dict[str, Any]) -> str:
     lines = [
         "# Router overhead",
@@ -482,6 +505,7 @@ def to_markdown(result: dict[str, Any]) -> str:
         f"client, {result['requests_per_cell']} requests per cell (completions with 1024 "
         "token ids, so each request is scored against the index).",
         "",
+        *_baseline_lines(result),
         "| stream | concurrency | direct median ms | router median ms | added median ms | "
         "added p99 ms | router req/s | direct req/s | router CPU µs/req |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -494,10 +518,17 @@ def to_markdown(result: dict[str, Any]) -> str:
             f"{c['direct']['req_per_s']:.0f} | {c['router_cpu_us_per_req']:.0f} |"
         )
     pc = result["paced"]
+    paced_base = (
+        f" (baseline: {pc['baseline']['added_first_median_ms']:.3f} ms added to the first "
+        f"chunk, {pc['baseline']['router_cpu_us_per_req']:.0f} vs "
+        f"{pc['router_cpu_us_per_req']:.0f} router CPU µs per stream)"
+        if "baseline" in pc
+        else ""
+    )
     lines += [
         "",
         f"Streaming under load: {pc['concurrency']} concurrent streams, the engine sending one "
-        f"event every {pc['pace_ms']} ms (16 events), {pc['requests']} streams:",
+        f"event every {pc['pace_ms']} ms (16 events), {pc['requests']} streams{paced_base}:",
         "",
         "| | direct | router | added |",
         "|---|---|---|---|",

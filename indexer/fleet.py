@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-from collections.abc import Container, Iterable, Iterator, Sequence
+from collections.abc import Container, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import compress, repeat
 
@@ -13,7 +13,7 @@ from indexer.fleet_score import score_fast
 from indexer.group_cache import explain_layout
 from indexer.inverted import InvertedIndex, WorkerPresence, WorkerSink
 from indexer.keys import Namespace, content_keys
-from indexer.layout import Layout, Rule
+from indexer.layout import Layout, Rule, check_alignment
 from indexer.lineage import Lineage
 from indexer.plan import Plan, build_plan
 from indexer.results import WorkerScore, WorkerStats
@@ -66,8 +66,8 @@ class FleetIndex:
         self._names: list[str | None] = []  # by worker index
         self._free: list[int] = []  # reusable indexes (a heap: keep bitsets short)
         self._plan: Plan | None = None
-        self._template: dict[str, int | None] = {}
-        self._spec = Expectations(max_expectations_per_worker, max_expected_keys)
+        self._unscored: dict[str, int | None] = {}  # each worker's answer before any hit
+        self._expectations = Expectations(max_expectations_per_worker, max_expected_keys)
 
     # -- workers and events -----------------------------------------------------------------
 
@@ -92,12 +92,13 @@ class FleetIndex:
     def _lineage(self, sink: WorkerSink) -> Lineage:
         return Lineage(sink, self.hash_unit, self._max_entries, self._max_pending)
 
-    def _after(self, w: _Worker) -> None:
+    def _view_changed(self, w: _Worker) -> None:
+        """Replan if the worker's layout changed; drop expectations its events confirm."""
         version = w.lineage.layout_version
         if version != w.seen_version:
             w.seen_version = version
             self._plan = None
-        self._spec.confirm(w.index, w.sink.holds)
+        self._expectations.confirm(w.index, w.sink.holds)
 
     def apply(self, worker_id: str, batch: events_pb2.KvEventBatch) -> None:
         """Apply one of the worker's batches (sequence order: stale ignored, a gap
@@ -105,14 +106,14 @@ class FleetIndex:
         w = self._worker(worker_id)
         w.epoch += 1
         w.feed.apply(batch)
-        self._after(w)
+        self._view_changed(w)
 
     def apply_snapshot(self, worker_id: str, snapshot: events_pb2.Snapshot) -> None:
         """Replace the worker's view with a snapshot."""
         w = self._worker(worker_id)
         w.epoch += 1
         w.feed.apply_snapshot(snapshot)
-        self._after(w)
+        self._view_changed(w)
 
     def apply_snapshot_steps(
         self, worker_id: str, snapshot: events_pb2.Snapshot, blocks_per_step: int = 1024
@@ -142,12 +143,17 @@ class FleetIndex:
             lineage.set_alignment(w.alignment)
         teardown: Iterator[None] | None = None
         try:
-            for chunk in _chunks(snapshot.events, blocks_per_step):
-                lineage.apply_batch(chunk)
+            # one batch in many calls: lineage records first (positions), then the events
+            for placed, chunk in _chunks(snapshot, blocks_per_step):
+                if placed:
+                    lineage.apply_events((), chunk)
+                else:
+                    lineage.apply_events(chunk)
                 yield
                 if self._workers.get(worker_id) is not w or w.epoch != epoch:
                     break
             else:
+                lineage.end_batch()
                 teardown = self._swap_in(w, index, sink, lineage, snapshot, blocks_per_step)
             if teardown is None:  # dropped: withdraw what was built
                 teardown = self._teardown(index, sink, lineage, blocks_per_step)
@@ -175,11 +181,11 @@ class FleetIndex:
         w.index, w.sink = index, sink
         self._names[index] = w.worker_id
         self._names[old_index] = None
-        self._spec.move(old_index, index)
+        self._expectations.move(old_index, index)
         w.epoch += 1
         w.seen_version = -1
         self._plan = None
-        self._after(w)
+        self._view_changed(w)
         return self._teardown(old_index, old_sink, old_lineage, blocks_per_step)
 
     def _teardown(
@@ -199,7 +205,7 @@ class FleetIndex:
         w = self._worker(worker_id)
         w.epoch += 1
         w.feed.invalidate()
-        self._after(w)
+        self._view_changed(w)
 
     def remove_worker(self, worker_id: str) -> None:
         """Forget a worker entirely."""
@@ -207,7 +213,7 @@ class FleetIndex:
         if w is None:
             return
         w.lineage.discard()
-        self._spec.remove_worker(w.index)
+        self._expectations.remove_worker(w.index)
         self._names[w.index] = None
         heapq.heappush(self._free, w.index)
         self._plan = None
@@ -215,23 +221,25 @@ class FleetIndex:
     def set_alignment(self, worker_id: str, alignment: int | None) -> None:
         """Override the worker's inferred hit alignment (vLLM's scheduler block size or
         hash unit, for layouts the events cannot reveal); None infers it again."""
-        if alignment is not None and (alignment <= 0 or alignment % self.hash_unit):
-            raise ValueError("alignment must be a positive multiple of the hash unit")
+        check_alignment(alignment, self.hash_unit)
         w = self._worker(worker_id)
         w.alignment = alignment
         w.lineage.set_alignment(alignment)
-        self._after(w)
+        self._view_changed(w)
 
     def workers(self) -> list[str]:
+        """Ids of the workers the index knows, in the order they were first seen."""
         return list(self._workers)
 
     def stats(self, worker_id: str) -> WorkerStats:
+        """The worker's counters and sizes; KeyError for an unknown worker."""
         w = self._workers.get(worker_id)
         if w is None:
             raise KeyError(worker_id)
-        return dataclasses.replace(w.feed.stats(), expectations=self._spec.count(w.index))
+        return dataclasses.replace(w.feed.stats(), expectations=self._expectations.count(w.index))
 
     def layout(self, worker_id: str) -> Layout:
+        """The worker's cache layout as learned from its events."""
         return self._workers[worker_id].lineage.layout()
 
     # -- speculative entries ---------------------------------------------------------------
@@ -255,11 +263,11 @@ class FleetIndex:
         w = self._worker(worker_id)
         layout = w.lineage.layout()
         alignment = layout.alignment if layout.usable else self.hash_unit
-        self._spec.add(w.index, keys, n_tokens, alignment, self.hash_unit, expires_at)
+        self._expectations.add(w.index, keys, n_tokens, alignment, self.hash_unit, expires_at)
 
     def expire(self, now: float) -> None:
         """Drop expectations with expires_at <= now."""
-        self._spec.expire(now)
+        self._expectations.expire(now)
 
     def _credit(self, keys: Sequence[int], n_tokens: int) -> dict[int, int]:
         def rule_of(index: int) -> tuple[bool, int]:
@@ -270,7 +278,7 @@ class FleetIndex:
                 return False, self.hash_unit
             return all(u.rule is Rule.FULL for u in layout.units), layout.alignment
 
-        return self._spec.credit(keys, n_tokens - 1, self.hash_unit, rule_of)
+        return self._expectations.credit(keys, n_tokens - 1, self.hash_unit, rule_of)
 
     # -- scoring ---------------------------------------------------------------------------
 
@@ -278,7 +286,7 @@ class FleetIndex:
         if self._plan is None:
             plan = build_plan({w.index: w.lineage.layout() for w in self._workers.values()})
             # the answer before any hit: 0 for usable workers, None for the others
-            self._template = {
+            self._unscored = {
                 name: (0 if plan.usable >> w.index & 1 else None)
                 for name, w in self._workers.items()
             }
@@ -304,7 +312,7 @@ class FleetIndex:
     def score_keys(self, keys: Sequence[int], n_tokens: int) -> dict[str, int | None]:
         """`score` from `content_keys` the caller already computed."""
         plan = self._current_plan()
-        result = self._template.copy()
+        result = self._unscored.copy()
         for tokens, bits in score_fast(plan, self._inv.slots, keys, n_tokens, self.hash_unit):
             result.update(zip(self._select(bits), repeat(tokens)))
         for index in plan.fallback:
@@ -314,7 +322,7 @@ class FleetIndex:
             result[name] = explain_layout(
                 w.lineage.layout(), self._presence(w), keys, n_tokens, self.hash_unit
             ).reusable_tokens
-        if self._spec.active:
+        if self._expectations.active:
             for index, credit in self._credit(keys, n_tokens).items():
                 name = self._names[index]
                 assert name is not None
@@ -332,7 +340,8 @@ class FleetIndex:
         return self.explain_keys(keys, len(token_ids))
 
     def explain_keys(self, keys: Sequence[int], n_tokens: int) -> dict[str, WorkerScore]:
-        credit = self._credit(keys, n_tokens) if self._spec.active else {}
+        """`explain` from `content_keys` the caller already computed."""
+        credit = self._credit(keys, n_tokens) if self._expectations.active else {}
         out: dict[str, WorkerScore] = {}
         for name, w in self._workers.items():
             ws = explain_layout(
@@ -349,22 +358,23 @@ class FleetIndex:
 
 
 def _chunks(
-    events: Iterable[events_pb2.KvGroupEvent], blocks: int
-) -> Iterator[list[events_pb2.KvGroupEvent]]:
-    """Consecutive runs of events holding about `blocks` blocks each (an event counts at
-    least one: declarations and sparse stores cost something too); a larger dense STORE
-    is cut into parts first."""
-    chunk: list[events_pb2.KvGroupEvent] = []
-    size = 0
-    for whole in events:
-        for event in _parts(whole, blocks):
-            chunk.append(event)
-            size += max(1, len(event.block_hashes))
-            if size >= blocks:
-                yield chunk
-                chunk, size = [], 0
-    if chunk:
-        yield chunk
+    snapshot: events_pb2.Snapshot, blocks: int
+) -> Iterator[tuple[bool, list[events_pb2.KvGroupEvent]]]:
+    """The snapshot's lineage records (True), then its events (False), in consecutive runs
+    of about `blocks` blocks each (an event counts at least one: declarations and sparse
+    stores cost something too); a larger dense STORE is cut into parts first."""
+    for placed, events in ((True, snapshot.lineage), (False, snapshot.events)):
+        chunk: list[events_pb2.KvGroupEvent] = []
+        size = 0
+        for whole in events:
+            for event in _parts(whole, blocks):
+                chunk.append(event)
+                size += max(1, len(event.block_hashes))
+                if size >= blocks:
+                    yield placed, chunk
+                    chunk, size = [], 0
+        if chunk:
+            yield placed, chunk
 
 
 _SPLITTABLE = frozenset(

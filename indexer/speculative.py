@@ -109,6 +109,12 @@ class Expectations:
             self._inc(self._prefix, self._prefix_counts, key, index)
         self._keys += len(unit_keys)
         heapq.heappush(self._heap, (expires_at, exp_id, index))
+        self._enforce_bounds(index)
+
+    def _enforce_bounds(self, index: int) -> None:
+        """Beyond a bound, drop the expectations that expire first: the worker's own for its
+        count, anyone's for the total of keys."""
+        mine = self._by_worker[index]
         while len(mine) > self._max_per_worker:
             self._remove(index, min(mine, key=lambda i: mine[i].expires_at))
             self.dropped += 1
@@ -162,6 +168,7 @@ class Expectations:
                 heapq.heappush(self._heap, (exp.expires_at, exp_id, index))
 
     def remove_worker(self, index: int) -> None:
+        """Drop every expectation of a worker (it left the fleet)."""
         for exp_id in list(self._by_worker.get(index, {})):
             self._remove(index, exp_id)
 

@@ -39,6 +39,10 @@ def kv_events_handler(
             return
         subscriber = stream.subscribe(request)
         try:
+            # Headers now, not with the first message: a router that resumed with nothing
+            # missed gets no message until the engine's next batch, and reads the headers
+            # as "accepted, up to date" to trust its kept view again at once.
+            await context.send_initial_metadata(())
             while True:
                 yield await subscriber.queue.get()
         finally:

@@ -131,9 +131,18 @@ class SimTokenizer:
         *,
         tools: Sequence[Any] | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
-        """The prompt text vLLM's chat endpoint would build for these messages."""
+        """The prompt text vLLM's chat endpoint would build for these messages.
+
+        continue_final_message (as Hugging Face does it): render without a generation prompt
+        and cut the text right after the final message's content, so the model continues it.
+        """
+        if continue_final_message and add_generation_prompt:
+            raise ChatTemplateError(
+                "continue_final_message and add_generation_prompt cannot both be true"
+            )
         if self._template is None:
             raise ChatTemplateError("the model directory has no chat template")
         kwargs = dict(chat_template_kwargs or {})
@@ -145,11 +154,18 @@ class SimTokenizer:
             eos_token=self.eos_token,
         )
         try:
-            return str(self._template.render(**kwargs))
+            text = str(self._template.render(**kwargs))
         except ChatTemplateError:
             raise
         except (TemplateError, TypeError, KeyError) as exc:
             raise ChatTemplateError(f"chat template failed: {exc}") from exc
+        if continue_final_message:
+            final = kwargs["messages"][-1]["content"].strip()
+            cut = text.rfind(final) if final else -1
+            if cut < 0:
+                raise ChatTemplateError("the final message is not in the rendered chat")
+            text = text[: cut + len(final)]
+        return text
 
     def chat_ids(self, messages: Sequence[Any], **kwargs: Any) -> list[int]:
         """Token ids of the rendered chat prompt (no extra special tokens added)."""

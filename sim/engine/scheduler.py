@@ -192,9 +192,9 @@ class Scheduler:
             sr.num_output += 1
             result.tokens[s.request_id] = token
             if (
-                sr.num_output >= sr.req.max_tokens
+                stops(s.request_id, token)  # EOS / stop tokens / stop strings first, as vLLM
+                or sr.num_output >= sr.req.max_tokens
                 or sr.num_tokens >= self.cache.spec.max_model_len
-                or stops(s.request_id, token)
             ):
                 sr.finished = True
                 result.finished.append(s.request_id)

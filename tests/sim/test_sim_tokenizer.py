@@ -73,3 +73,12 @@ def test_chat_template_rejects_bad_conversations() -> None:
         tok.render_chat([{"role": "user", "content": "x"}, {"role": "system", "content": "y"}])
     with pytest.raises(ChatTemplateError):
         tok.render_chat([{"content": "no role"}])
+
+
+def test_continue_final_message() -> None:
+    tok = SimTokenizer()
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello, I"}]
+    text = tok.render_chat(messages, add_generation_prompt=False, continue_final_message=True)
+    assert text.endswith("<|im_start|>assistant\nHello, I")
+    with pytest.raises(ChatTemplateError):
+        tok.render_chat(messages, add_generation_prompt=True, continue_final_message=True)

@@ -1,0 +1,266 @@
+"""The app factory: builds every component from the config and wires them explicitly.
+
+Nothing is global; everything a request needs hangs off the objects created here. Tests and
+benchmarks call `create_app(config, ...)` with their own index, tokenizer or event transport.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from router.admin import Admin
+from router.config import RouterConfig, TokenizerConfig
+from router.decisions import DecisionLog
+from router.discovery import parse_discovery_config, start_discovery
+from router.events import EventSubscriptions, TransportFactory, default_transport
+from router.health import HealthChecker, MetricsProbe, ModelsProbe, Periodic
+from router.index_view import IndexView
+from router.load import PromptSizeEstimate
+from router.metrics import RouterMetrics
+from router.openai_request import GENERATION_ENDPOINTS
+from router.passthrough import Passthrough
+from router.policy import LoadModel, Policy, SessionPicker, make_policy
+from router.proxy import Proxy
+from router.routing import Routing, TokenizerLike
+from router.tokenize import Tokenizers, TokenizerSpec
+from router.upstream import Upstream
+from router.verify import Verifier
+from router.workers import StaticDiscovery, Worker, WorkerRegistry
+
+log = logging.getLogger("kvroute.router")
+
+
+@dataclass(slots=True)
+class Components:
+    """Everything the app is made of (for tests, benchmarks and the CLI)."""
+
+    config: RouterConfig
+    metrics: RouterMetrics
+    registry: WorkerRegistry
+    index: IndexView
+    events: EventSubscriptions
+    routing: Routing
+    proxy: Proxy
+    verifier: Verifier
+    decisions: DecisionLog
+    upstream: Upstream
+    policy: Policy
+
+
+def tokenizer_specs(cfg: RouterConfig) -> tuple[dict[str, TokenizerSpec], TokenizerSpec | None]:
+    def spec(value: str | None, template: str | None) -> TokenizerSpec | None:
+        if value is None:
+            return None
+        if value in ("render", "request"):
+            return TokenizerSpec(value, chat_template=template)  # type: ignore[arg-type]
+        return TokenizerSpec("local", path=value, chat_template=template)
+
+    specs = {}
+    for name, model in cfg.models.items():
+        s = spec(model.tokenizer, model.chat_template)
+        if s is not None:
+            specs[name] = s
+    return specs, spec(cfg.tokenizer.default, None)
+
+
+def build_tokenizers(cfg: RouterConfig, upstream: Upstream, metrics: RouterMetrics) -> Tokenizers:
+    specs, default = tokenizer_specs(cfg)
+    t: TokenizerConfig = cfg.tokenizer
+    return Tokenizers(
+        specs,
+        default=default,
+        threads=t.threads,
+        cache_entries=t.cache_entries,
+        render_timeout_s=t.render_timeout_s,
+        registry=metrics.registry,
+        http=upstream,
+    )
+
+
+def build_index(cfg: RouterConfig) -> IndexView:
+    module = importlib.import_module("router.fleet_index")  # needs the indexer package
+    view: IndexView = module.FleetIndexView(
+        hash_unit=cfg.policy.hash_unit,
+        max_entries_per_worker=cfg.events.max_entries_per_worker,
+        max_pending_per_worker=cfg.events.max_pending_per_worker,
+    )
+    return view
+
+
+class _Housekeeping:
+    """Registry listener: probe new workers at once, forget removed ones everywhere."""
+
+    def __init__(
+        self,
+        probes: list[Callable[[Worker], Any]],
+        verifier: Verifier,
+        session: SessionPicker | None,
+    ) -> None:
+        self._probes = probes
+        self._verifier = verifier
+        self._session = session
+        self.started = False
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def worker_added(self, worker: Worker) -> None:
+        if not self.started:
+            return
+
+        async def probe() -> None:
+            for p in self._probes:
+                await p(worker)
+
+        task = asyncio.create_task(probe())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def worker_removed(self, worker: Worker) -> None:
+        self._verifier.forget(worker.name)
+        if self._session is not None:
+            self._session.forget(worker.name)
+
+
+def create_app(
+    cfg: RouterConfig,
+    *,
+    index: IndexView | None = None,
+    tokenizers: TokenizerLike | None = None,
+    transport_factory: TransportFactory = default_transport,
+    clock: Callable[[], float] = time.monotonic,
+) -> Starlette:
+    """Build the router app. The returned app's `state.kvroute` holds its `Components`."""
+    metrics = RouterMetrics()
+    upstream = Upstream(cfg.timeouts, cfg.limits)
+    registry = WorkerRegistry(
+        cfg.breaker,
+        max_workers=cfg.limits.max_workers,
+        on_breaker_change=lambda w, old, new: metrics.breaker_transitions.labels(w.name, new).inc(),
+    )
+    index = index if index is not None else build_index(cfg)
+    events = EventSubscriptions(index, cfg.events, metrics, transport_factory, clock)
+    registry.listen(events)
+    verifier = Verifier(cfg.verify, metrics, events.resync, clock)
+    prompt_size = PromptSizeEstimate(cfg.policy.avg_prompt_tokens)
+    stale_after = max(5.0, 3 * cfg.load.metrics_interval_s)
+    load_model = LoadModel(cfg.policy, lambda: prompt_size.value, stale_after)
+    policy = make_policy(cfg.policy, load_model)
+    own_tokenizers = tokenizers is None
+    tok: Any = tokenizers if tokenizers is not None else build_tokenizers(cfg, upstream, metrics)
+    routing = Routing(
+        registry,
+        index,
+        policy,
+        cfg.policy,
+        cfg.models,
+        tok,
+        metrics,
+        unusable=events.unusable,
+        clock=clock,
+        retry_after_s=cfg.timeouts.retry_after_s,
+    )
+    decisions = DecisionLog(cfg.limits.decisions_buffer)
+    proxy = Proxy(
+        cfg, routing, upstream, registry, verifier, decisions, metrics, prompt_size, clock
+    )
+    metrics.attach_state(registry, index, events, clock)
+
+    def apply_alignment(worker: Worker) -> None:
+        for name in worker.serves():
+            route = registry.route(name)
+            spec = cfg.models.get(route.base if route else name)
+            if spec is not None and spec.alignment is not None:
+                index.set_alignment(worker.name, spec.alignment)
+
+    health = HealthChecker(cfg.health, upstream, metrics)
+    models_probe = ModelsProbe(registry, upstream, on_models=apply_alignment)
+    metrics_probe = MetricsProbe(upstream, clock)
+    session = getattr(policy, "session", None)
+    housekeeping = _Housekeeping(
+        [health, models_probe, metrics_probe],
+        verifier,
+        session if isinstance(session, SessionPicker) else None,
+    )
+    registry.listen(housekeeping)
+    jobs = [
+        Periodic("health", registry, health, cfg.health.interval_s),
+        Periodic("models", registry, models_probe, cfg.health.models_interval_s),
+        Periodic("metrics", registry, metrics_probe, cfg.load.metrics_interval_s),
+    ]
+    admin = Admin(
+        cfg.admin.token, registry, routing, index, events, verifier, decisions, metrics, clock
+    )
+    passthrough = Passthrough(
+        registry, upstream, metrics, cfg.limits.max_body_bytes, cfg.timeouts.retry_after_s, clock
+    )
+
+    async def metrics_endpoint(request: Request) -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    routes: list[Route] = [
+        Route(path, proxy.endpoint(path), methods=["POST"]) for path in GENERATION_ENDPOINTS
+    ]
+    routes += [
+        Route("/v1/models", passthrough.models, methods=["GET"]),
+        Route("/tokenize", passthrough.forward, methods=["POST"]),
+        Route("/detokenize", passthrough.forward, methods=["POST"]),
+        Route("/health", passthrough.health, methods=["GET"]),
+        Route("/metrics", metrics_endpoint, methods=["GET"]),
+        *admin.routes(),
+    ]
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await upstream.start()
+        start = getattr(tok, "start", None)
+        if own_tokenizers and start is not None:
+            await start()
+        await StaticDiscovery(cfg.workers).run(registry)
+        discovery = (
+            await start_discovery(parse_discovery_config(cfg.discovery), registry)
+            if cfg.discovery
+            else None
+        )
+        # First probes before serving, so the first request sees health and models.
+        for job in jobs:
+            await job.run_once()
+        housekeeping.started = True
+        await events.start()
+        for job in jobs:
+            job.start()
+        log.info(
+            "router ready: %d workers, policy %s, %d models",
+            len(registry),
+            policy.name,
+            len(registry.model_cards()),
+        )
+        try:
+            yield
+        finally:
+            if discovery is not None:
+                await discovery.stop()
+            for job in jobs:
+                await job.stop()
+            await events.stop()
+            aclose = getattr(tok, "aclose", None)
+            if own_tokenizers and aclose is not None:
+                await aclose()
+            await upstream.close()
+
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.kvroute = Components(
+        cfg, metrics, registry, index, events, routing, proxy, verifier, decisions, upstream, policy
+    )
+    return app

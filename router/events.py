@@ -1,0 +1,304 @@
+"""KV-event subscriptions: one per worker, feeding the index on the event loop.
+
+Each worker with a `bridge` address is followed over gRPC (snapshot first, then live batches);
+a lost stream is retried with exponential backoff and resumed after the last applied sequence
+(the bridge answers with the missing batches, or a snapshot when it cannot). While a stream is
+down the worker's view is not trusted: `usable()` is False and the router treats the worker as
+having no evidence, without throwing the view away, so a quick resume keeps it warm.
+
+A resync (asked by verification when predictions keep missing) discards the view and
+subscribes afresh, which makes the bridge send a snapshot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import grpc
+
+from bridge.client import SUBSCRIBE_METHOD, ResumePoint
+from proto import events_pb2
+from router.config import EventsConfig
+from router.index_view import IndexView
+from router.metrics import RouterMetrics
+from router.workers import Worker
+
+log = logging.getLogger("kvroute.router.events")
+
+CONNECTING = "connecting"
+LIVE = "live"
+LOST = "lost"
+
+
+@dataclass(slots=True)
+class StreamStatus:
+    state: str = CONNECTING
+    since: float = field(default_factory=time.monotonic)
+    last_message_at: float | None = None
+    last_sequence: int | None = None
+    stream_id: str = ""
+    snapshots: int = 0
+    batches: int = 0
+    reconnects: int = 0
+    last_error: str = ""
+
+
+class Transport(Protocol):
+    """Opens one subscription; yields None once the stream is established (the bridge has
+    accepted it), then the bridge's responses until the stream ends."""
+
+    def open(
+        self, request: events_pb2.SubscribeRequest
+    ) -> AsyncIterator[events_pb2.SubscribeResponse | None]: ...
+
+    async def close(self) -> None: ...
+
+
+class GrpcTransport:
+    """The bridge's KvEvents.Subscribe over one gRPC channel (kept across reconnects)."""
+
+    def __init__(self, target: str) -> None:
+        self._channel = grpc.aio.insecure_channel(
+            target,
+            options=[
+                ("grpc.max_receive_message_length", 512 * 1024 * 1024),
+                ("grpc.keepalive_time_ms", 20_000),
+                ("grpc.keepalive_timeout_ms", 10_000),
+            ],
+        )
+        self._subscribe = self._channel.unary_stream(
+            SUBSCRIBE_METHOD,
+            request_serializer=events_pb2.SubscribeRequest.SerializeToString,
+            response_deserializer=events_pb2.SubscribeResponse.FromString,
+        )
+
+    async def open(
+        self, request: events_pb2.SubscribeRequest
+    ) -> AsyncIterator[events_pb2.SubscribeResponse | None]:
+        call = self._subscribe(request)
+        try:
+            await call.initial_metadata()  # headers: the bridge accepted the subscription
+            yield None
+            async for message in call:
+                yield message
+        finally:
+            call.cancel()
+
+    async def close(self) -> None:
+        await self._channel.close(grace=None)
+
+
+TransportFactory = Callable[[Worker], "Transport | None"]
+
+
+def default_transport(worker: Worker) -> Transport | None:
+    if worker.spec.bridge:
+        return GrpcTransport(worker.spec.bridge)
+    if worker.spec.zmq:
+        from router.zmq_source import ZmqTransport
+
+        return ZmqTransport(
+            worker.spec.zmq, worker.spec.replay, worker.spec.topic, worker.spec.dp_rank
+        )
+    return None
+
+
+class EventSubscriptions:
+    """Starts and stops one subscription task per worker (a registry listener)."""
+
+    def __init__(
+        self,
+        index: IndexView,
+        cfg: EventsConfig,
+        metrics: RouterMetrics,
+        transport_factory: TransportFactory = default_transport,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._index = index
+        self._cfg = cfg
+        self._metrics = metrics
+        self._factory = transport_factory
+        self._clock = clock
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._sessions: dict[str, asyncio.Task[bool]] = {}
+        self._status: dict[str, StreamStatus] = {}
+        self._points: dict[str, ResumePoint] = {}
+        self._unusable: set[str] = set()
+        self._restarting: set[str] = set()
+        self._started = False
+        self._pending: list[Worker] = []
+
+    # -- registry listener --------------------------------------------------------------
+    def worker_added(self, worker: Worker) -> None:
+        if not (worker.spec.bridge or worker.spec.zmq):
+            return
+        self._unusable.add(worker.name)  # no evidence until its stream is live
+        if not self._started:
+            self._pending.append(worker)
+            return
+        self._start(worker)
+
+    def worker_removed(self, worker: Worker) -> None:
+        task = self._tasks.pop(worker.name, None)
+        if task is not None:
+            task.cancel()
+        self._pending = [w for w in self._pending if w is not worker]
+        self._sessions.pop(worker.name, None)
+        self._status.pop(worker.name, None)
+        self._points.pop(worker.name, None)
+        self._unusable.discard(worker.name)
+        self._restarting.discard(worker.name)
+        self._index.remove_worker(worker.name)
+
+    # -- lifecycle ----------------------------------------------------------------------
+    async def start(self) -> None:
+        self._started = True
+        for worker in self._pending:
+            self._start(worker)
+        self._pending.clear()
+
+    async def stop(self) -> None:
+        tasks = list(self._tasks.values())
+        self._tasks.clear()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    # -- queries --------------------------------------------------------------------------
+    def status(self, name: str) -> StreamStatus | None:
+        return self._status.get(name)
+
+    def unusable(self) -> set[str]:
+        """Workers whose stream is not live: their predictions must not be trusted."""
+        return self._unusable
+
+    def resync(self, name: str) -> bool:
+        """Discard the worker's view and resubscribe from a snapshot; False if not followed."""
+        if name not in self._tasks:
+            return False
+        self._index.invalidate(name)
+        self._unusable.add(name)
+        self._points[name] = ResumePoint()  # fresh: the bridge answers with a snapshot
+        session = self._sessions.get(name)
+        if session is not None and not session.done():
+            self._restarting.add(name)
+            session.cancel()
+        return True
+
+    # -- the loop -------------------------------------------------------------------------
+    def _start(self, worker: Worker) -> None:
+        self._status[worker.name] = StreamStatus()
+        self._points[worker.name] = ResumePoint()
+        self._unusable.add(worker.name)
+        self._tasks[worker.name] = asyncio.create_task(
+            self._follow(worker), name=f"kvroute-events-{worker.name}"
+        )
+
+    async def _follow(self, worker: Worker) -> None:
+        name = worker.name
+        status = self._status[name]
+        transport = self._factory(worker)
+        if transport is None:
+            return
+        delay = self._cfg.reconnect_initial_s
+        me = asyncio.current_task()
+        try:
+            while True:
+                session = asyncio.create_task(self._session(worker, transport, status))
+                self._sessions[name] = session
+                try:
+                    got_message = await session
+                except asyncio.CancelledError:
+                    if name in self._restarting and me is not None and not me.cancelling():
+                        self._restarting.discard(name)
+                        status.state = CONNECTING
+                        continue  # a resync: subscribe again at once, from a snapshot
+                    session.cancel()
+                    raise
+                self._mark_lost(name, status)
+                if got_message:
+                    delay = self._cfg.reconnect_initial_s
+                status.reconnects += 1
+                await asyncio.sleep(delay * (0.8 + 0.4 * random.random()))
+                delay = min(delay * 2, self._cfg.reconnect_max_s)
+        finally:
+            await transport.close()
+
+    async def _session(self, worker: Worker, transport: Transport, status: StreamStatus) -> bool:
+        """One subscription until it ends; True if anything arrived."""
+        name = worker.name
+        point = self._points[name]
+        request = point.request(worker.spec.dp_rank)
+        resumed = request.resume
+        status.state = CONNECTING
+        got = False
+        stream = transport.open(request)
+        try:
+            async for message in stream:
+                got = True
+                if message is None:
+                    if resumed:  # the view we kept is current again
+                        self._go_live(name, status)
+                    continue
+                self._handle(name, status, message)
+                point.observe(message)
+            status.last_error = "stream ended"
+        except grpc.aio.AioRpcError as exc:
+            status.last_error = f"{exc.code().name}: {exc.details()}"
+        except (OSError, ConnectionError) as exc:
+            status.last_error = str(exc)
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]
+        return got
+
+    def _handle(
+        self, name: str, status: StreamStatus, message: events_pb2.SubscribeResponse
+    ) -> None:
+        started = time.perf_counter()
+        kind = message.WhichOneof("message")
+        if kind == "snapshot":
+            snap = message.snapshot
+            self._index.apply_snapshot(name, snap)
+            status.snapshots += 1
+            status.stream_id = snap.stream_id
+            status.last_sequence = snap.sequence if snap.has_sequence else None
+            self._metrics.event_snapshots.labels(name, snap.reason or "unknown").inc()
+            if status.state != LIVE:
+                log.info("events %s: snapshot (%s), %d events", name, snap.reason, len(snap.events))
+            self._go_live(name, status)
+        elif kind == "batch":
+            batch = message.batch
+            self._index.apply(name, batch)
+            status.batches += 1
+            status.last_sequence = batch.sequence
+            self._metrics.event_batches.labels(name).inc()
+        else:
+            return
+        self._metrics.event_apply_seconds.observe(time.perf_counter() - started)
+        status.last_message_at = self._clock()
+
+    def _go_live(self, name: str, status: StreamStatus) -> None:
+        if status.state == LIVE:
+            return
+        status.state = LIVE
+        status.since = self._clock()
+        status.last_error = ""
+        self._unusable.discard(name)
+
+    def _mark_lost(self, name: str, status: StreamStatus) -> None:
+        if status.state == LIVE:
+            log.warning(
+                "events %s: stream lost (%s); view unused until back",
+                name,
+                status.last_error or "ended",
+            )
+            self._metrics.event_stream_lost.labels(name).inc()
+        status.state = LOST
+        status.since = self._clock()
+        self._unusable.add(name)

@@ -1,0 +1,81 @@
+"""What the router asks of the KV index, in the router's own terms.
+
+`policy`, `proxy`, `events`, `verify` and `admin` depend on this protocol, not on the indexer's
+classes; `router.fleet_index` adapts `indexer.FleetIndex` to it (namespaces, the clock for
+expectations, statistics as plain records).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from proto import events_pb2
+
+# vLLM kv_cache_spec_kind values that full-attention-only routers (llm-d, Dynamo) index.
+FULL_ATTENTION_KINDS = frozenset({"full_attention", "mla_attention", "full", "mla", "sink_full"})
+
+
+@dataclass(frozen=True, slots=True)
+class GroupReuse:
+    group_id: int
+    kind: str
+    block_size: int
+    sliding_window: int
+    accepted_tokens: int | None  # the longest prefix this group alone accepts
+
+
+@dataclass(frozen=True, slots=True)
+class ReuseExplanation:
+    reusable_tokens: int | None  # None = no usable evidence for this worker
+    groups: list[GroupReuse] = field(default_factory=list)
+    alignment: int = 0
+    reason: str = ""
+
+    def full_attention_only(self) -> int | None:
+        """What a router that indexes only full-attention groups would predict."""
+        accepted = [
+            g.accepted_tokens
+            for g in self.groups
+            if g.kind in FULL_ATTENTION_KINDS and g.accepted_tokens is not None
+        ]
+        if not accepted:
+            return None
+        return min(accepted)
+
+
+@dataclass(frozen=True, slots=True)
+class IndexStats:
+    valid: bool
+    last_sequence: int | None
+    blocks_per_group: dict[int, int]
+    entries: int
+    pending: int
+    evicted: int
+    resets: int
+
+
+class IndexView(Protocol):
+    def score(
+        self, token_ids: Sequence[int], lora_name: str = "", cache_salt: str = ""
+    ) -> Mapping[str, int | None]:
+        """Predicted reusable tokens per known worker (None = no evidence)."""
+        ...
+
+    def explain(
+        self, token_ids: Sequence[int], lora_name: str = "", cache_salt: str = ""
+    ) -> Mapping[str, ReuseExplanation]: ...
+
+    def expect(
+        self, worker: str, token_ids: Sequence[int], lora_name: str, cache_salt: str, ttl_s: float
+    ) -> None:
+        """Credit `worker` with the prompt for `ttl_s` seconds (until its events arrive)."""
+        ...
+
+    def apply(self, worker: str, batch: events_pb2.KvEventBatch) -> None: ...
+    def apply_snapshot(self, worker: str, snapshot: events_pb2.Snapshot) -> None: ...
+    def invalidate(self, worker: str) -> None: ...
+    def remove_worker(self, worker: str) -> None: ...
+    def set_alignment(self, worker: str, alignment: int | None) -> None: ...
+    def stats(self, worker: str) -> IndexStats | None: ...

@@ -1,0 +1,155 @@
+"""`kvroute inspect`: ask a running router how it would route a prompt, as a table.
+
+    kvroute inspect --router http://127.0.0.1:8000 --prompt "hello" [--model M] [--token T]
+    kvroute inspect --router URL --messages conversation.json
+
+`--messages` takes a JSON file holding a list of chat messages or a whole OpenAI request body.
+The admin token comes from --token or $KVROUTE_ADMIN_TOKEN.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import urllib.error
+import urllib.request
+from typing import Any
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="kvroute inspect", description="Show each worker's predicted reuse for a prompt."
+    )
+    p.add_argument("--router", required=True, help="router base URL, e.g. http://127.0.0.1:8000")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="a user message (chat) or, with --completion, a prompt")
+    src.add_argument("--messages", help="JSON file: a list of messages or an OpenAI body")
+    p.add_argument("--completion", action="store_true", help="send --prompt as /v1/completions")
+    p.add_argument("--model", help="model name (default: the router's only model)")
+    p.add_argument("--user", help="session key (the OpenAI `user` field)")
+    p.add_argument("--cache-salt", help="cache_salt of the request")
+    p.add_argument("--token", help="admin bearer token (default $KVROUTE_ADMIN_TOKEN)")
+    p.add_argument("--json", action="store_true", help="print the raw JSON answer")
+    p.add_argument("--timeout", type=float, default=10.0)
+    return p.parse_args(argv)
+
+
+class InspectError(Exception):
+    pass
+
+
+def _call(url: str, token: str | None, body: Any | None, timeout: float) -> Any:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method="POST" if data is not None else "GET")
+    req.add_header("content-type", "application/json")
+    if token:
+        req.add_header("authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        detail = exc.read().decode("utf-8", "replace")
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            detail = json.loads(detail)["error"]["message"]
+        raise InspectError(f"{url}: HTTP {exc.code}: {detail}") from None
+    except (urllib.error.URLError, OSError) as exc:
+        raise InspectError(f"{url}: {exc}") from None
+
+
+def build_body(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
+    """(endpoint, body) for /admin/score."""
+    if args.messages:
+        try:
+            with open(args.messages, encoding="utf-8") as f:
+                loaded = json.load(f)
+        except (OSError, ValueError) as exc:
+            raise InspectError(f"cannot read {args.messages}: {exc}") from None
+        body = loaded if isinstance(loaded, dict) else {"messages": loaded}
+        endpoint = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
+    elif args.completion:
+        body, endpoint = {"prompt": args.prompt}, "/v1/completions"
+    else:
+        body = {"messages": [{"role": "user", "content": args.prompt}]}
+        endpoint = "/v1/chat/completions"
+    if args.model:
+        body["model"] = args.model
+    if args.user:
+        body["user"] = args.user
+    if args.cache_salt:
+        body["cache_salt"] = args.cache_salt
+    return endpoint, body
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:.3f}"
+    return str(value)
+
+
+def _groups(entry: dict[str, Any]) -> str:
+    parts = []
+    for g in entry.get("groups") or []:
+        kind = g["kind"] or "?"
+        if g.get("sliding_window"):
+            kind += f"({g['sliding_window']})"
+        parts.append(f"g{g['group_id']} {kind}/{g['block_size']}: {_fmt(g['accepted_tokens'])}")
+    return "; ".join(parts)
+
+
+def render(answer: dict[str, Any]) -> str:
+    """The /admin/score answer as a text table."""
+    lines = [
+        f"model {answer['model']}"
+        + (f" (LoRA {answer['lora_name']})" if answer.get("lora_name") else "")
+        + f"   prompt {answer['prompt_tokens']} tokens ({answer['token_source']})"
+        + f"   policy {answer['policy']}",
+        f"chosen: {answer['chosen'] or '-'}  [{answer['reason']}] {answer['detail']}",
+        "",
+    ]
+    header = [
+        "worker", "status", "reuse", "fa_only", "uncached", "running", "queued", "kv",
+        "est_ttft_s", "groups",
+    ]  # fmt: skip
+    rows = [header]
+    for w in answer["workers"]:
+        name = w["worker"] + (" *" if w.get("chosen") else "")
+        rows.append(
+            [
+                name,
+                w["status"] if w["eligible"] else f"{w['status']} (skip)",
+                _fmt(w.get("predicted_reuse")),
+                _fmt(w.get("full_attention_only_reuse")),
+                _fmt(w.get("uncached_tokens")),
+                _fmt(w.get("running")),
+                _fmt(w.get("queued_prefill_tokens")),
+                _fmt(w.get("kv_usage")),
+                _fmt(w.get("est_ttft_s")),
+                _groups(w),
+            ]
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header) - 1)]
+    for r in rows:
+        cells = [c.ljust(widths[i]) for i, c in enumerate(r[:-1])]
+        lines.append("  ".join([*cells, r[-1]]).rstrip())
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    token = args.token or os.environ.get("KVROUTE_ADMIN_TOKEN")
+    base = args.router.rstrip("/")
+    try:
+        endpoint, body = build_body(args)
+        answer = _call(f"{base}/admin/score?endpoint={endpoint}", token, body, args.timeout)
+    except InspectError as exc:
+        print(f"kvroute inspect: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(answer, indent=2) if args.json else render(answer))
+    return 0

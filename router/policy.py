@@ -1,0 +1,345 @@
+"""Choosing a worker, and saying why.
+
+Every policy sees the same per-candidate picture (`Candidate`: predicted reuse, uncached
+prefill, load, estimated time to first token, saturation) and returns a `Decision` that keeps
+that picture, so a decision can always be explained after the fact.
+
+Estimated TTFT of a request on worker w (seconds):
+    (queued_prefill(w) + uncached(w)) / prefill_tokens_per_s + decode_s_per_running * running(w)
+where queued_prefill counts this process's in-flight prefill tokens plus the engine's other
+waiting requests at the learned mean size, and uncached(w) = prompt tokens - reuse(w).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from router.config import PolicyConfig
+from router.hashring import HashRing
+from router.workers import Worker
+
+# Reasons (stable strings, also metric label values)
+CACHE = "cache"  # the best estimated TTFT, with reuse somewhere in the fleet
+SPILL = "spill"  # best was saturated; next best unsaturated taken
+SESSION = "session"  # no cache evidence: consistent hash of the session key
+LEAST_LOAD = "least_load"  # no cache evidence and no session key (or policy least_load)
+ROUND_ROBIN = "round_robin"
+RANDOM = "random"
+NO_WORKER = "no_worker"
+
+
+@dataclass(slots=True)
+class Candidate:
+    """One eligible worker as the policy saw it."""
+
+    worker: Worker
+    reuse: int | None  # predicted reusable prompt tokens (None = no evidence)
+    uncached: int  # prompt tokens to prefill
+    running: int  # requests on the worker (own + other replicas')
+    queued_tokens: int  # prefill tokens ahead of this request
+    kv_usage: float | None
+    est_ttft_s: float
+    saturated: bool
+
+    @property
+    def name(self) -> str:
+        return self.worker.name
+
+
+@dataclass(slots=True)
+class Decision:
+    policy: str
+    chosen: Candidate | None
+    reason: str
+    detail: str
+    candidates: list[Candidate]
+    n_tokens: int
+    session_key: str | None
+    predicted_reuse: int  # reuse of the chosen worker (0 when unknown)
+
+
+@dataclass(frozen=True, slots=True)
+class RouteInput:
+    """What a policy needs from one request."""
+
+    n_tokens: int  # prompt length (estimated when ids are unknown)
+    reuse: Mapping[str, int | None]  # predicted reuse per worker (empty = no ids)
+    session_key: str | None
+
+
+class LoadModel:
+    """Turns a worker's load and a request's uncached tokens into an estimated TTFT."""
+
+    def __init__(
+        self, cfg: PolicyConfig, mean_prompt: Callable[[], float], stale_after_s: float
+    ) -> None:
+        self.cfg = cfg
+        self._mean_prompt = mean_prompt
+        self._stale = stale_after_s
+
+    def candidate(self, worker: Worker, reuse: int | None, n_tokens: int, now: float) -> Candidate:
+        return self.candidates([worker], {worker.name: reuse}, n_tokens, now)[0]
+
+    def candidates(
+        self, workers: Sequence[Worker], reuse: Mapping[str, int | None], n_tokens: int, now: float
+    ) -> list[Candidate]:
+        """One Candidate per worker (a tight loop: this runs for every worker per request)."""
+        cfg = self.cfg
+        inv_rate = 1.0 / cfg.prefill_tokens_per_s
+        per_running = cfg.decode_s_per_running
+        sat_queue = cfg.saturation_queue_s
+        max_running = cfg.max_running_per_worker
+        kv_sat = cfg.kv_usage_saturation
+        stale = self._stale
+        mean_prompt = self._mean_prompt()
+        get = reuse.get
+        out: list[Candidate] = []
+        append = out.append
+        for worker in workers:
+            load = worker.load
+            queued = load.queued_prefill_tokens
+            running = load.running
+            kv = None
+            m = load.engine
+            if m is not None and now - m.at <= stale:
+                others_total, others_waiting = load.others(now, stale)
+                queued += round(others_waiting * mean_prompt)
+                running += others_total
+                kv = m.kv_usage
+            r = get(worker.name)
+            if r is None:
+                uncached = n_tokens
+            elif r >= n_tokens:
+                uncached = 0
+            else:
+                uncached = n_tokens - r
+            queue_s = queued * inv_rate
+            est = queue_s + uncached * inv_rate + per_running * running
+            saturated = (
+                queue_s > sat_queue or running >= max_running or (kv is not None and kv >= kv_sat)
+            )
+            append(Candidate(worker, r, uncached, running, queued, kv, est, saturated))
+        return out
+
+
+class Policy:
+    """Base: build candidates, delegate the pick; subclasses implement `pick`."""
+
+    name = "base"
+
+    def __init__(self, load_model: LoadModel) -> None:
+        self.load_model = load_model
+
+    def decide(self, workers: Sequence[Worker], req: RouteInput, now: float) -> Decision:
+        n = req.n_tokens
+        reuse = req.reuse
+        cands = self.load_model.candidates(workers, reuse, n, now)
+        if not cands:
+            return Decision(self.name, None, NO_WORKER, "no eligible worker", [], n, None, 0)
+        chosen, reason, detail = self.pick(cands, req)
+        return Decision(
+            self.name, chosen, reason, detail, cands, n, req.session_key, chosen.reuse or 0
+        )
+
+    def pick(self, cands: list[Candidate], req: RouteInput) -> tuple[Candidate, str, str]:
+        raise NotImplementedError
+
+
+class _Rotation:
+    """A counter that spreads ties and cold requests across equal workers."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def next(self) -> int:
+        self.n += 1
+        return self.n
+
+
+def least_load(cands: list[Candidate], rotation: _Rotation) -> Candidate:
+    """Least queued prefill, then fewest running; equal workers take turns."""
+    turn = rotation.next()
+    size = len(cands)
+    best = cands[0]
+    best_key = (best.queued_tokens, best.running, turn % size)
+    for i in range(1, size):
+        c = cands[i]
+        key = (c.queued_tokens, c.running, (turn + size - i) % size)
+        if key < best_key:
+            best, best_key = c, key
+    return best
+
+
+class SessionPicker:
+    """Consistent hashing with bounded load over the candidates, keyed by session."""
+
+    def __init__(self, cfg: PolicyConfig) -> None:
+        self._ring = HashRing(cfg.virtual_nodes)
+        self._bound = cfg.session_bounded_load
+
+    def pick(self, cands: list[Candidate], key: str) -> Candidate | None:
+        by_name = {c.name: c for c in cands}
+        for name in by_name:
+            self._ring.add(name)  # idempotent; the ring keeps every worker ever seen
+        unsaturated = {n for n, c in by_name.items() if not c.saturated} or set(by_name)
+        load = {n: c.running for n, c in by_name.items()}
+        found = self._ring.lookup(key, unsaturated.__contains__, load, self._bound)
+        return by_name.get(found) if found is not None else None
+
+    def forget(self, name: str) -> None:
+        self._ring.remove(name)
+
+
+class TTFTPolicy(Policy):
+    """Default: minimise estimated TTFT; spill off saturated workers; cold: session, load."""
+
+    name = "ttft"
+
+    def __init__(self, load_model: LoadModel, cfg: PolicyConfig) -> None:
+        super().__init__(load_model)
+        self.cfg = cfg
+        self.session = SessionPicker(cfg)
+        self.rotation = _Rotation()
+
+    def pick(self, cands: list[Candidate], req: RouteInput) -> tuple[Candidate, str, str]:
+        best_reuse = max((c.reuse or 0 for c in cands), default=0)
+        if best_reuse <= 0:
+            return self._cold(cands, req)
+        best = min(cands, key=_ttft_key)
+        if best.saturated and self.cfg.spill:
+            calm = [c for c in cands if not c.saturated]
+            if calm:
+                alt = min(calm, key=_ttft_key)
+                return (
+                    alt,
+                    SPILL,
+                    f"{best.name} saturated (est TTFT {best.est_ttft_s:.3f}s, running "
+                    f"{best.running}); best unsaturated reuses {alt.reuse or 0} tokens",
+                )
+        return (
+            best,
+            CACHE,
+            f"lowest est TTFT {best.est_ttft_s:.3f}s reusing {best.reuse or 0} of "
+            f"{req.n_tokens} tokens (fleet best reuse {best_reuse})",
+        )
+
+    def _cold(self, cands: list[Candidate], req: RouteInput) -> tuple[Candidate, str, str]:
+        if req.session_key is not None:
+            chosen = self.session.pick(cands, req.session_key)
+            if chosen is not None:
+                return chosen, SESSION, "no cache evidence; session affinity (bounded load)"
+        calm = [c for c in cands if not c.saturated] or cands
+        chosen = least_load(calm, self.rotation)
+        return chosen, LEAST_LOAD, "no cache evidence and no session key; least load"
+
+
+def _ttft_key(c: Candidate) -> tuple[float, int, int]:
+    return (c.est_ttft_s, -(c.reuse or 0), c.running)
+
+
+class FullAttentionOnlyPolicy(TTFTPolicy):
+    """TTFT policy fed with full-attention-only reuse (what llm-d and Dynamo index).
+
+    Identical decision rule; the app computes `RouteInput.reuse` from the full-attention
+    groups only, so benchmark comparisons isolate the effect of hybrid-correct scoring.
+    """
+
+    name = "full_attention_only"
+
+
+class RoundRobinPolicy(Policy):
+    name = "round_robin"
+
+    def __init__(self, load_model: LoadModel) -> None:
+        super().__init__(load_model)
+        self.rotation = _Rotation()
+
+    def pick(self, cands: list[Candidate], req: RouteInput) -> tuple[Candidate, str, str]:
+        ordered = sorted(cands, key=lambda c: c.name)
+        return ordered[self.rotation.next() % len(ordered)], ROUND_ROBIN, "round robin"
+
+
+class RandomPolicy(Policy):
+    name = "random"
+
+    def __init__(self, load_model: LoadModel, seed: int | None) -> None:
+        super().__init__(load_model)
+        self.rng = random.Random(seed)
+
+    def pick(self, cands: list[Candidate], req: RouteInput) -> tuple[Candidate, str, str]:
+        return self.rng.choice(cands), RANDOM, "uniformly random"
+
+
+class LeastLoadPolicy(Policy):
+    name = "least_load"
+
+    def __init__(self, load_model: LoadModel) -> None:
+        super().__init__(load_model)
+        self.rotation = _Rotation()
+
+    def pick(self, cands: list[Candidate], req: RouteInput) -> tuple[Candidate, str, str]:
+        return least_load(cands, self.rotation), LEAST_LOAD, "least load (cache ignored)"
+
+
+class SessionPolicy(Policy):
+    name = "session"
+
+    def __init__(self, load_model: LoadModel, cfg: PolicyConfig) -> None:
+        super().__init__(load_model)
+        self.session = SessionPicker(cfg)
+        self.rotation = _Rotation()
+
+    def pick(self, cands: list[Candidate], req: RouteInput) -> tuple[Candidate, str, str]:
+        if req.session_key is not None:
+            chosen = self.session.pick(cands, req.session_key)
+            if chosen is not None:
+                return chosen, SESSION, "session affinity (bounded load)"
+        return least_load(cands, self.rotation), LEAST_LOAD, "no session key; least load"
+
+
+def make_policy(cfg: PolicyConfig, load_model: LoadModel) -> Policy:
+    """The configured policy (names validated by the config)."""
+    if cfg.name == "ttft":
+        return TTFTPolicy(load_model, cfg)
+    if cfg.name == "full_attention_only":
+        return FullAttentionOnlyPolicy(load_model, cfg)
+    if cfg.name == "round_robin":
+        return RoundRobinPolicy(load_model)
+    if cfg.name == "random":
+        return RandomPolicy(load_model, cfg.seed)
+    if cfg.name == "least_load":
+        return LeastLoadPolicy(load_model)
+    if cfg.name == "session":
+        return SessionPolicy(load_model, cfg)
+    raise ValueError(f"unknown policy {cfg.name!r}")
+
+
+def uses_cache(policy: Policy) -> bool:
+    """Whether the policy reads predicted reuse (others skip scoring on the hot path)."""
+    return isinstance(policy, TTFTPolicy)
+
+
+def session_key(
+    headers: Mapping[str, str], body: Mapping[str, object], cfg: PolicyConfig
+) -> str | None:
+    """The request's session key: the configured header, else the configured body field.
+
+    The field may be dotted ("metadata.session_id"). Empty values count as absent.
+    """
+    value = headers.get(cfg.session_header.lower()) if cfg.session_header else None
+    if value:
+        return value
+    if not cfg.session_field:
+        return None
+    node: object = body
+    for part in cfg.session_field.split("."):
+        if not isinstance(node, Mapping):
+            return None
+        node = node.get(part)
+    if isinstance(node, str) and node:
+        return node
+    if isinstance(node, int) and not isinstance(node, bool):
+        return str(node)
+    return None

@@ -1,0 +1,483 @@
+"""The OpenAI proxy: one ASGI endpoint per API route, forwarding to the chosen worker.
+
+Per request: read the body (bounded), check it, resolve the model, get token ids, decide,
+send upstream. Failures before the first byte reaches the client (connect error, timeout,
+5xx, 429) are retried on another worker with backoff, within the retry budget; after the first
+byte nothing is retried, and an upstream failure mid-stream becomes an SSE error event and a
+clean close. A client that disconnects cancels the upstream request (its connection is
+dropped, so the engine aborts it). Streams are forwarded event by event as they arrive; `send`
+waits for the client socket, so a slow client slows the upstream read (backpressure).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from router.config import RouterConfig
+from router.decisions import DecisionLog, DecisionRecord
+from router.errors import (
+    MID_STREAM,
+    NO_WORKER,
+    OVERLOADED,
+    TOO_LARGE,
+    UPSTREAM,
+    UPSTREAM_TIMEOUT,
+    RouterError,
+    error_body,
+    sse_error,
+)
+from router.load import LoadTicket, PromptSizeEstimate
+from router.metrics import RouterMetrics
+from router.openai_request import (
+    CHAT,
+    COMPLETIONS,
+    RESPONSES,
+    ClientRequest,
+    parse_request,
+    with_stream_usage,
+)
+from router.policy import Candidate
+from router.retry import Backoff, RetryBudget, retryable_status
+from router.routing import Prompt, Routing
+from router.sse import SseFilter, Usage, usage_from_json
+from router.tokenize.ratelog import RateLimitedLog
+from router.upstream import Upstream, UpstreamConnectError, UpstreamResponse, UpstreamTimeout
+from router.verify import Verifier
+from router.workers import Worker, WorkerRegistry
+
+log = logging.getLogger("kvroute.router.proxy")
+
+Scope = dict[str, Any]
+Receive = Callable[[], Any]
+Send = Callable[[dict[str, Any]], Any]
+
+_RESPONSE_DROP = frozenset(
+    {
+        "content-length",
+        "transfer-encoding",
+        "connection",
+        "keep-alive",
+        "server",
+        "date",
+        "trailer",
+        "upgrade",
+    }
+)
+_JSON = [(b"content-type", b"application/json")]
+
+
+@dataclass(slots=True)
+class _Failure:
+    """An attempt that failed before anything reached the client."""
+
+    cause: str  # metric label: connect, timeout, 429, 5xx
+    error: RouterError | None  # what to answer if no retry follows...
+    upstream: tuple[int, list[tuple[bytes, bytes]], bytes] | None = None  # ...or this
+
+
+class _ClientGone(Exception):
+    pass
+
+
+class Proxy:
+    def __init__(
+        self,
+        cfg: RouterConfig,
+        routing: Routing,
+        upstream: Upstream,
+        registry: WorkerRegistry,
+        verifier: Verifier,
+        decisions: DecisionLog,
+        metrics: RouterMetrics,
+        prompt_size: PromptSizeEstimate,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._cfg = cfg
+        self._routing = routing
+        self._upstream = upstream
+        self._registry = registry
+        self._verifier = verifier
+        self._decisions = decisions
+        self._metrics = metrics
+        self._prompt_size = prompt_size
+        self._clock = clock
+        self._budget = RetryBudget(cfg.retry.budget_ratio, cfg.retry.budget_min_per_s)
+        self._backoff = Backoff(cfg.retry)
+        self._in_flight = 0
+        self._seq = 0
+        self._max_body = cfg.limits.max_body_bytes
+        self._show_headers = cfg.admin.response_headers
+        self._ratelog = RateLimitedLog(log, interval_s=10.0)
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    def endpoint(self, path: str) -> ProxyEndpoint:
+        return ProxyEndpoint(self, path)
+
+    # -- one request ------------------------------------------------------------------
+    async def handle(self, path: str, scope: Scope, receive: Receive, send: Send) -> None:
+        started = time.perf_counter()
+        status = 500
+        self._in_flight += 1
+        watcher: asyncio.Task[None] | None = None
+        gone = {"flag": False}
+        try:
+            if self._in_flight > self._cfg.limits.max_in_flight:
+                raise RouterError(
+                    OVERLOADED,
+                    "router overloaded: too many requests in flight",
+                    retry_after=self._cfg.timeouts.retry_after_s,
+                )
+            raw = await self._read_body(scope, receive)
+            watcher = self._watch_disconnect(receive, gone)
+            status = await self._route_and_forward(path, raw, scope, send)
+        except RouterError as exc:
+            status = exc.kind.status
+            self._metrics.child(self._metrics.errors, exc.kind.kind).inc()
+            self._ratelog.warning(exc.kind.kind, "%s %s: %s", status, path, exc.message)
+            await _send_error(send, exc)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if not gone["flag"] or task is None:
+                raise
+            task.uncancel()
+            status = 499
+            self._metrics.disconnects.inc()
+        except _ClientGone:
+            status = 499
+            self._metrics.disconnects.inc()
+        finally:
+            self._in_flight -= 1
+            if watcher is not None:
+                watcher.cancel()
+            self._metrics.child(self._metrics.requests, path, str(status)).inc()
+            self._metrics.child(self._metrics.duration, path).observe(time.perf_counter() - started)
+
+    async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
+        for name, value in scope["headers"]:
+            if name == b"content-length":
+                try:
+                    declared = int(value)
+                except ValueError:
+                    declared = 0
+                if declared > self._max_body:
+                    raise _too_large(self._max_body)
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise _ClientGone()
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self._max_body:
+                raise _too_large(self._max_body)
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    def _watch_disconnect(self, receive: Receive, gone: dict[str, bool]) -> asyncio.Task[None]:
+        """Cancel the handling task when the client disconnects."""
+        task = asyncio.current_task()
+
+        async def watch() -> None:
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    gone["flag"] = True
+                    if task is not None:
+                        task.cancel()
+                    return
+
+        return asyncio.create_task(watch())
+
+    async def _route_and_forward(self, path: str, raw: bytes, scope: Scope, send: Send) -> int:
+        routing = self._routing
+        req = parse_request(path, raw, scope["headers"])
+        route = routing.resolve_model(req)
+        if not routing.eligible(route):
+            raise RouterError(
+                NO_WORKER,
+                f"no healthy worker can serve model `{route.name}` right now",
+                retry_after=self._cfg.timeouts.retry_after_s,
+            )
+        prompt = await routing.prompt(req, route)
+        reuse = routing.reuse(prompt)
+        decision = routing.decide(req, route, prompt, reuse)
+        self._seq += 1
+        record = self._decisions.add(
+            f"kvr-{self._seq}",
+            path,
+            route.name,
+            prompt.lora_name,
+            bool(prompt.cache_salt),
+            prompt.source,
+            decision,
+        )
+        inject_usage = req.stream and not req.wants_usage and path in (CHAT, COMPLETIONS)
+        body = with_stream_usage(req.body) if inject_usage else req.raw
+        if inject_usage:
+            self._metrics.usage_injected.inc()
+        self._budget.on_request()
+        started = time.perf_counter()
+        try:
+            return await self._forward(req, prompt, record, body, inject_usage, send)
+        finally:
+            record.duration_s = time.perf_counter() - started
+
+    async def _forward(
+        self,
+        req: ClientRequest,
+        prompt: Prompt,
+        record: DecisionRecord,
+        body: bytes,
+        inject_usage: bool,
+        send: Send,
+    ) -> int:
+        tried: list[str] = []
+        cand = record.decision.chosen
+        assert cand is not None
+        retries = 0
+        while True:
+            worker = cand.worker
+            tried.append(worker.name)
+            record.attempts.append(worker.name)
+            result = await self._attempt(
+                worker, cand, req, prompt, record, body, inject_usage, send
+            )
+            if isinstance(result, int):
+                return result
+            failure = result
+            if retries + 1 >= self._cfg.retry.max_attempts:
+                return await self._give_up(failure, record, send)
+            if not self._budget.try_spend(self._clock()):
+                self._metrics.retry_budget_exhausted.inc()
+                return await self._give_up(failure, record, send)
+            retries += 1
+            await asyncio.sleep(self._backoff.delay(retries))
+            route = self._routing.resolve_model(req)
+            try:
+                decision = self._routing.decide(
+                    req, route, prompt, self._routing.reuse(prompt), exclude=tried
+                )
+            except RouterError:
+                return await self._give_up(failure, record, send)
+            self._metrics.child(self._metrics.retries, failure.cause).inc()
+            cand = decision.chosen
+            assert cand is not None
+
+    async def _give_up(self, failure: _Failure, record: DecisionRecord, send: Send) -> int:
+        if failure.upstream is not None:
+            status, headers, data = failure.upstream
+            record.status = status
+            await send({"type": "http.response.start", "status": status, "headers": headers})
+            await send({"type": "http.response.body", "body": data})
+            return status
+        error = failure.error or RouterError(UPSTREAM, "upstream failed")
+        record.status = error.kind.status
+        self._metrics.child(self._metrics.errors, error.kind.kind).inc()
+        self._ratelog.warning(error.kind.kind, "giving up: %s", error.message)
+        await _send_error(send, error)
+        return error.kind.status
+
+    async def _attempt(
+        self,
+        worker: Worker,
+        cand: Candidate,
+        req: ClientRequest,
+        prompt: Prompt,
+        record: DecisionRecord,
+        body: bytes,
+        inject_usage: bool,
+        send: Send,
+    ) -> int | _Failure:
+        """One try on one worker: an HTTP status once the client got an answer, or a failure."""
+        metrics = self._metrics
+        breaker = worker.breaker
+        breaker.on_send(self._clock())
+        ticket = LoadTicket(worker.load, cand.uncached)
+        self._prompt_size.observe(cand.uncached)
+        self._routing.expect(worker, prompt)
+        loop = asyncio.get_running_loop()
+        prefill_timer = loop.call_later(max(cand.est_ttft_s, 0.001), ticket.prefill_done)
+        headers = req.headers
+        if worker.url_shared:
+            headers = [*headers, ("x-data-parallel-rank", str(worker.spec.dp_rank))]
+        dispatched = time.perf_counter()
+        resp: UpstreamResponse | None = None
+        verdict = False
+        try:
+            try:
+                resp = await self._upstream.send("POST", worker.url + req.endpoint, headers, body)
+                if resp.status == 429 or retryable_status(resp.status):
+                    data = await resp.read()
+                    resp.release()
+                    metrics.child(metrics.upstream, worker.name, f"{resp.status // 100}xx").inc()
+                    if resp.status >= 500:
+                        breaker.record_failure(self._clock())
+                    else:
+                        breaker.release()
+                    verdict = True
+                    cause = "429" if resp.status == 429 else "5xx"
+                    return _Failure(cause, None, (resp.status, _resp_headers(resp), data))
+                if req.stream and resp.status == 200:
+                    first = await resp.next_chunk()
+                else:
+                    first = await resp.read()
+            except UpstreamTimeout as exc:
+                metrics.child(metrics.upstream, worker.name, "timeout").inc()
+                breaker.record_failure(self._clock())
+                verdict = True
+                return _Failure("timeout", RouterError(UPSTREAM_TIMEOUT, f"{worker.name}: {exc}"))
+            except UpstreamConnectError as exc:
+                metrics.child(metrics.upstream, worker.name, "connect").inc()
+                breaker.record_failure(self._clock())
+                verdict = True
+                return _Failure("connect", RouterError(UPSTREAM, f"{worker.name}: {exc}"))
+            # From here on the client gets this worker's answer: no more retries.
+            breaker.record_success()
+            verdict = True
+            ticket.prefill_done()
+            metrics.child(metrics.ttfb, worker.name).observe(time.perf_counter() - dispatched)
+            metrics.child(metrics.upstream, worker.name, f"{resp.status // 100}xx").inc()
+            record.status = resp.status
+            out_headers = _resp_headers(resp)
+            if self._show_headers:
+                out_headers += [
+                    (b"x-kvroute-worker", worker.name.encode()),
+                    (b"x-kvroute-predicted-cached-tokens", str(cand.reuse or 0).encode()),
+                ]
+            if req.stream and resp.status == 200:
+                usage = await self._stream(resp, first, out_headers, inject_usage, send, record)
+            else:
+                resp.release()
+                await send(
+                    {"type": "http.response.start", "status": resp.status, "headers": out_headers}
+                )
+                await send({"type": "http.response.body", "body": first})
+                usage = usage_from_json(first) if resp.status == 200 else None
+            if resp.status == 200:
+                self._verify(worker, cand, req, prompt, record, usage)
+            return resp.status
+        finally:
+            prefill_timer.cancel()
+            ticket.finish()
+            if not verdict:
+                breaker.release()
+            if resp is not None:
+                resp.abort()  # no-op once released; drops a half-read connection
+            self._registry.request_finished(worker)
+
+    async def _stream(
+        self,
+        resp: UpstreamResponse,
+        first: bytes,
+        headers: list[tuple[bytes, bytes]],
+        inject_usage: bool,
+        send: Send,
+        record: DecisionRecord,
+    ) -> Usage | None:
+        sse = SseFilter(strip_usage_chunk=inject_usage)
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        chunk = first
+        try:
+            while chunk:
+                out = sse.feed(chunk)
+                if out:
+                    await send({"type": "http.response.body", "body": out, "more_body": True})
+                chunk = await resp.next_chunk()
+        except (UpstreamConnectError, UpstreamTimeout) as exc:
+            self._metrics.child(self._metrics.errors, MID_STREAM.kind).inc()
+            self._ratelog.warning(MID_STREAM.kind, "upstream failed mid-stream: %s", exc)
+            record.status = MID_STREAM.status
+            tail = sse.flush()
+            if tail and not tail.endswith(b"\n\n"):
+                tail = b""  # a truncated event would corrupt the error event after it
+            await send(
+                {
+                    "type": "http.response.body",
+                    "body": tail + sse_error(f"upstream failed mid-stream: {exc}"),
+                    "more_body": False,
+                }
+            )
+            return None
+        resp.release()
+        await send({"type": "http.response.body", "body": sse.flush(), "more_body": False})
+        return sse.usage
+
+    def _verify(
+        self,
+        worker: Worker,
+        cand: Candidate,
+        req: ClientRequest,
+        prompt: Prompt,
+        record: DecisionRecord,
+        usage: Usage | None,
+    ) -> None:
+        if usage is None:
+            return
+        record.reported_cached_tokens = usage.cached_tokens
+        record.reported_prompt_tokens = usage.prompt_tokens
+        if not _single_prompt(req):
+            return
+        record.outcome = self._verifier.observe(
+            worker.name,
+            cand.reuse,
+            usage.cached_tokens,
+            usage.prompt_tokens,
+            len(prompt.token_ids) if prompt.token_ids is not None else None,
+        )
+
+
+class ProxyEndpoint:
+    """ASGI app for one OpenAI path (POST only)."""
+
+    def __init__(self, proxy: Proxy, path: str) -> None:
+        self._proxy = proxy
+        self._path = path
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._proxy.handle(self._path, scope, receive, send)
+
+
+def _single_prompt(req: ClientRequest) -> bool:
+    """Usage is comparable with one prediction only for one prompt and one choice."""
+    n = req.body.get("n", 1)
+    if isinstance(n, int) and n > 1:
+        return False
+    if req.endpoint == COMPLETIONS:
+        prompt = req.body.get("prompt")
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+            return len(prompt) == 1
+    return req.endpoint in (CHAT, COMPLETIONS, RESPONSES)
+
+
+def _resp_headers(resp: UpstreamResponse) -> list[tuple[bytes, bytes]]:
+    return [
+        (k.lower().encode("latin-1"), v.encode("latin-1"))
+        for k, v in resp.headers.items()
+        if k.lower() not in _RESPONSE_DROP
+    ]
+
+
+def _too_large(limit: int) -> RouterError:
+    return RouterError(TOO_LARGE, f"request body exceeds the limit of {limit} bytes")
+
+
+async def _send_error(send: Send, exc: RouterError) -> None:
+    headers = list(_JSON)
+    if exc.retry_after is not None:
+        headers.append((b"retry-after", str(exc.retry_after).encode()))
+    body = error_body(exc.message, exc.kind.type, exc.kind.status, exc.param, exc.code)
+    try:
+        await send({"type": "http.response.start", "status": exc.kind.status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+    except OSError:
+        pass

@@ -1,0 +1,187 @@
+"""From a parsed request to a routing decision: token ids, predicted reuse, policy.
+
+`Routing` owns the steps between the edge and the proxy: resolve the model, get exact token
+ids, score every worker once, let the policy choose among the eligible ones, record the
+decision, and after a successful dispatch record the prompt as an expectation on the chosen
+worker.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from router.config import ModelSpec, PolicyConfig
+from router.errors import NO_WORKER, TOKENIZE, UNKNOWN_MODEL, RouterError
+from router.index_view import IndexView
+from router.metrics import RouterMetrics
+from router.openai_request import ClientRequest
+from router.policy import Decision, FullAttentionOnlyPolicy, Policy, RouteInput, session_key
+from router.workers import ModelRoute, Worker, WorkerRegistry
+
+_EMPTY: Mapping[str, int | None] = {}
+BYTES_PER_TOKEN_ESTIMATE = 4
+
+
+class TokenizedLike(Protocol):
+    token_ids: list[int]
+    source: str
+
+
+class TokenizerLike(Protocol):
+    async def token_ids(
+        self, model: str, endpoint: str, body: dict[str, Any], worker_url_for_render: str | None
+    ) -> TokenizedLike | None: ...
+
+
+@dataclass(slots=True)
+class Prompt:
+    """A request's prompt as the router knows it."""
+
+    token_ids: list[int] | None
+    source: str  # local | render | request | none
+    n_tokens: int  # exact when token_ids is set, else estimated from the body size
+    lora_name: str
+    cache_salt: str
+
+
+class Routing:
+    def __init__(
+        self,
+        registry: WorkerRegistry,
+        index: IndexView,
+        policy: Policy,
+        cfg: PolicyConfig,
+        models: Mapping[str, ModelSpec],
+        tokenizers: TokenizerLike,
+        metrics: RouterMetrics,
+        unusable: Callable[[], Collection[str]] = frozenset,
+        clock: Callable[[], float] = time.monotonic,
+        retry_after_s: int = 1,
+    ) -> None:
+        self._retry_after = retry_after_s
+        self.registry = registry
+        self.index = index
+        self.policy = policy
+        self.cfg = cfg
+        self._models = models
+        self._tokenizers = tokenizers
+        self._metrics = metrics
+        self._unusable = unusable
+        self._clock = clock
+        self._fa_only = isinstance(policy, FullAttentionOnlyPolicy)
+        self._decision_hist = metrics.decision_seconds
+        self._decision_count = metrics.decisions
+
+    def resolve_model(self, req: ClientRequest) -> ModelRoute:
+        """The request's model; a missing model is fine when the fleet serves exactly one."""
+        name = req.model
+        if name is None:
+            cards = self.registry.model_cards()
+            if len(cards) != 1:
+                raise RouterError(
+                    UNKNOWN_MODEL, "'model' is required: the fleet serves several models"
+                )
+            name = str(cards[0]["id"])
+        route = self.registry.route(name)
+        if route is None and name in self._models:
+            # a configured model nobody serves right now: the fleet is down, not the name wrong
+            raise RouterError(
+                NO_WORKER,
+                f"no worker serves model `{name}` right now",
+                retry_after=self._retry_after,
+            )
+        if route is None:
+            raise RouterError(
+                UNKNOWN_MODEL,
+                f"The model `{name}` does not exist.",
+                param="model",
+                code="model_not_found",
+            )
+        return route
+
+    def eligible(self, route: ModelRoute, exclude: Collection[str] = ()) -> list[Worker]:
+        now = self._clock()
+        return [
+            w
+            for w in self.registry.serving(route.name)
+            if w.takes_requests(now) and w.name not in exclude
+        ]
+
+    async def prompt(self, req: ClientRequest, route: ModelRoute) -> Prompt:
+        """Exact token ids when the model's tokenizer can give them; TokenizeError -> 400."""
+        render_worker = self._render_worker(route)
+        try:
+            got = await self._tokenizers.token_ids(
+                route.base, req.endpoint, req.body, render_worker
+            )
+        except ValueError as exc:  # router.tokenize.TokenizeError subclasses ValueError
+            raise RouterError(TOKENIZE, str(exc), param=getattr(exc, "param", None)) from None
+        if got is None:
+            self._metrics.child(self._metrics.token_source, "none").inc()
+            estimate = max(1, len(req.raw) // BYTES_PER_TOKEN_ESTIMATE)
+            return Prompt(None, "none", estimate, route.lora_name, req.cache_salt)
+        self._metrics.child(self._metrics.token_source, got.source).inc()
+        ids = got.token_ids
+        return Prompt(ids, got.source, len(ids), route.lora_name, req.cache_salt)
+
+    def _render_worker(self, route: ModelRoute) -> str | None:
+        workers = self.eligible(route)
+        if not workers:
+            return None
+        return min(workers, key=lambda w: w.load.running).url
+
+    def reuse(self, prompt: Prompt) -> Mapping[str, int | None]:
+        """Predicted reuse per worker; streams that are down count as no evidence."""
+        if prompt.token_ids is None:
+            return _EMPTY
+        ids, lora, salt = prompt.token_ids, prompt.lora_name, prompt.cache_salt
+        if self._fa_only:
+            scores: Mapping[str, int | None] = {
+                name: exp.full_attention_only()
+                for name, exp in self.index.explain(ids, lora, salt).items()
+            }
+        else:
+            scores = self.index.score(ids, lora, salt)
+        down = self._unusable()
+        if down:
+            scores = {name: (None if name in down else v) for name, v in scores.items()}
+        return scores
+
+    def decide(
+        self,
+        req: ClientRequest,
+        route: ModelRoute,
+        prompt: Prompt,
+        reuse: Mapping[str, int | None],
+        exclude: Collection[str] = (),
+    ) -> Decision:
+        """Choose among eligible workers; raises 503 when there are none."""
+        started = time.perf_counter()
+        workers = self.eligible(route, exclude)
+        key = session_key(req.header_map, req.body, self.cfg)
+        decision = self.policy.decide(
+            workers, RouteInput(prompt.n_tokens, reuse, key), self._clock()
+        )
+        self._decision_hist.observe(time.perf_counter() - started)
+        self._metrics.child(self._decision_count, decision.policy, decision.reason).inc()
+        if decision.chosen is None:
+            raise RouterError(
+                NO_WORKER,
+                f"no healthy worker can serve model `{route.name}` right now",
+                retry_after=self._retry_after,
+            )
+        return decision
+
+    def expect(self, worker: Worker, prompt: Prompt) -> None:
+        """Credit the chosen worker with this prompt until its events arrive (or expiry)."""
+        if prompt.token_ids is not None and self.cfg.expect_seconds > 0:
+            self.index.expect(
+                worker.name,
+                prompt.token_ids,
+                prompt.lora_name,
+                prompt.cache_salt,
+                self.cfg.expect_seconds,
+            )

@@ -1,0 +1,348 @@
+"""The simulated engine's HTTP app: vLLM's OpenAI server surface plus /sim/* admin routes."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from sim.api import faults as fault_rules
+from sim.api.errors import ApiError, bad_request
+from sim.api.faults import FailurePlan
+from sim.api.openai import Generation
+from sim.api.requests import (
+    check_length,
+    int_list,
+    parse_chat,
+    parse_completion,
+    render_chat,
+    resolve_model,
+)
+from sim.engine.core import Engine
+from sim.publisher import EventPublisher
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+VLLM_VERSION = "0.33.0"
+
+
+async def _json(request: Request) -> Any:
+    raw = await request.body()
+    try:
+        return json.loads(raw or b"null")
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise bad_request(f"invalid JSON body: {exc}") from exc
+
+
+def build_app(
+    engine: Engine,
+    publisher: EventPublisher | None = None,
+    *,
+    served_root: str | None = None,
+    fail_seed: int = 0,
+) -> Starlette:
+    """The app for one engine. The engine loop starts and stops with the app's lifespan."""
+    cfg = engine.config
+    failures = FailurePlan(seed=fail_seed)
+    gen = Generation(engine, failures)
+    created = int(time.time())
+
+    def gated(handler: Handler) -> Handler:
+        """vLLM-facing routes: answered in vLLM's error shape, frozen while hung."""
+
+        async def wrapped(request: Request) -> Response:
+            await engine.wait_unhung()
+            try:
+                return await handler(request)
+            except ApiError as err:
+                return err.response()
+
+        return wrapped
+
+    async def models(_: Request) -> Response:
+        def perm() -> dict[str, Any]:
+            return {
+                "id": f"modelperm-{cfg.model}",
+                "object": "model_permission",
+                "created": created,
+                "allow_create_engine": False,
+                "allow_sampling": True,
+                "allow_logprobs": True,
+                "allow_search_indices": False,
+                "allow_view": True,
+                "allow_fine_tuning": False,
+                "organization": "*",
+                "group": None,
+                "is_blocking": False,
+            }
+
+        cards = [
+            {
+                "id": cfg.model,
+                "object": "model",
+                "created": created,
+                "owned_by": "vllm",
+                "root": served_root or cfg.model_dir,
+                "parent": None,
+                "max_model_len": cfg.max_model_len,
+                "permission": [perm()],
+            }
+        ]
+        for name in cfg.lora_adapters:
+            cards.append(
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": created,
+                    "owned_by": "vllm",
+                    "root": f"/adapters/{name}",
+                    "parent": cfg.model,
+                    "max_model_len": None,
+                    "permission": [perm()],
+                }
+            )
+        return JSONResponse({"object": "list", "data": cards})
+
+    async def completions(request: Request) -> Response:
+        return await gen.completion(parse_completion(await _json(request), cfg, engine.tokenizer))
+
+    async def chat(request: Request) -> Response:
+        return await gen.chat(parse_chat(await _json(request), cfg, engine.tokenizer))
+
+    async def render_completions(request: Request) -> Response:
+        req = parse_completion(await _json(request), cfg, engine.tokenizer)
+        out = []
+        for i, ids in enumerate(req.prompts):
+            max_tokens = check_length(len(ids), req.sampling.max_tokens, cfg.max_model_len)
+            rid = f"cmpl-render-{i}" if len(req.prompts) > 1 else "cmpl-render"
+            out.append(_generate_request(rid, ids, req.model, max_tokens, req))
+        return JSONResponse(out)
+
+    async def render_chat_completions(request: Request) -> Response:
+        req = parse_chat(await _json(request), cfg, engine.tokenizer)
+        ids = req.prompts[0]
+        max_tokens = check_length(len(ids), req.sampling.max_tokens, cfg.max_model_len)
+        return JSONResponse(_generate_request("chatcmpl-render", ids, req.model, max_tokens, req))
+
+    async def tokenize(request: Request) -> Response:
+        body = await _json(request)
+        if not isinstance(body, dict):
+            raise bad_request("request body must be a JSON object")
+        resolve_model(cfg, body.get("model"))
+        tok = engine.tokenizer
+        if "messages" in body:
+            _, ids = render_chat(body, tok)
+        elif isinstance(body.get("prompt"), str):
+            special = body.get("add_special_tokens", True)
+            if not isinstance(special, bool):
+                raise bad_request("add_special_tokens must be a boolean", "add_special_tokens")
+            ids = tok.encode(body["prompt"], special)
+        else:
+            raise bad_request("either prompt (a string) or messages is required", "prompt")
+        strs = None
+        if body.get("return_token_strs"):
+            strs = [tok.id_to_token(i) or "" for i in ids]
+        return JSONResponse(
+            {
+                "count": len(ids),
+                "max_model_len": cfg.max_model_len,
+                "tokens": ids,
+                "token_strs": strs,
+            }
+        )
+
+    async def detokenize(request: Request) -> Response:
+        body = await _json(request)
+        if not isinstance(body, dict):
+            raise bad_request("request body must be a JSON object")
+        resolve_model(cfg, body.get("model"))
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens
+        ):
+            raise bad_request("tokens must be a list of non-negative integers", "tokens")
+        if any(t >= engine.tokenizer.vocab_size for t in tokens):
+            raise bad_request("token id out of vocabulary range", "tokens")
+        return JSONResponse({"prompt": engine.tokenizer.decode(tokens)})
+
+    async def health(_: Request) -> Response:
+        return Response(status_code=200)
+
+    async def version(_: Request) -> Response:
+        return JSONResponse({"version": VLLM_VERSION})
+
+    async def metrics(_: Request) -> Response:
+        return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def kv_event_sources(_: Request) -> Response:
+        if publisher is None:
+            return JSONResponse({})
+        return JSONResponse({str(publisher.config.dp_rank): publisher.kv_events_config()})
+
+    async def reset_prefix_cache(_: Request) -> Response:
+        ok = await engine.reset_prefix_cache()
+        return Response(status_code=200 if ok else 400)
+
+    # ---- /sim admin: never gated, so a hung engine can be released -----------------------
+    def sim_state() -> dict[str, Any]:
+        s = engine.scheduler
+        state: dict[str, Any] = {
+            "model": cfg.model,
+            "profile": cfg.profile,
+            "groups": [
+                {"kind": g.kind, "block_size": g.block_size, "sliding_window": g.sliding_window}
+                for g in engine.cache.spec.groups
+            ],
+            "hash_block_size": engine.cache.spec.hash_block_size,
+            "alignment": engine.cache.spec.alignment,
+            "num_blocks": cfg.num_blocks,
+            "running": s.num_running,
+            "waiting": s.num_waiting,
+            "kv_cache_usage": engine.cache.usage(),
+            "prefix_cache_queries": s.prefix_queries,
+            "prefix_cache_hits": s.prefix_hits,
+            "preemptions": s.num_preemptions,
+            "steps": engine.steps,
+            "busy_seconds": engine.busy_seconds,
+            "speed": cfg.speed,
+            "faults": {
+                **failures.state(),
+                "slowdown": engine.slowdown,
+                "hang": engine.hung,
+            },
+        }
+        if publisher is not None:
+            state["events"] = publisher.state()
+        return state
+
+    async def probe(request: Request) -> Response:
+        """Oracle for benchmarks: the hit this request would get now (no side effects)."""
+        try:
+            body = await _json(request)
+            if not isinstance(body, dict):
+                raise bad_request("request body must be a JSON object")
+            _, lora = resolve_model(cfg, body.get("model"))
+            ids_field = body.get("prompt_token_ids")
+            if ids_field is not None:
+                ids = int_list(ids_field, "prompt_token_ids")
+                salt = body.get("cache_salt")
+            elif "messages" in body:
+                parsed = parse_chat(body, cfg, engine.tokenizer)
+                ids, salt = parsed.prompts[0], parsed.cache_salt
+            else:
+                parsed = parse_completion(body, cfg, engine.tokenizer)
+                ids, salt = parsed.prompts[0], parsed.cache_salt
+        except ApiError as err:
+            return err.response()
+        hit, per_group = engine.probe(ids, lora, salt if isinstance(salt, str) else None)
+        return JSONResponse(
+            {"prompt_tokens": len(ids), "cached_tokens": hit, "per_group": per_group}
+        )
+
+    async def get_faults(_: Request) -> Response:
+        return JSONResponse(sim_state())
+
+    async def post_faults(request: Request) -> Response:
+        try:
+            settings = fault_rules.validate(await _json(request))
+        except ApiError as err:
+            return err.response()
+        for key in ("fail_next", "fail_rate", "fail_mode"):
+            if key in settings:
+                setattr(failures, key, settings[key])
+        if "slowdown" in settings:
+            engine.slowdown = settings["slowdown"]
+        if "hang" in settings:
+            engine.set_hang(settings["hang"])
+        if publisher is not None:
+            if settings.get("drop_batches"):
+                publisher.drop_next(
+                    settings["drop_batches"], settings.get("drop_from_replay", False)
+                )
+            if "malformed" in settings:
+                publisher.send_malformed(settings["malformed"])
+            if "replay" in settings:
+                publisher.set_replay_enabled(settings["replay"])
+        elif {"drop_batches", "malformed", "replay"} & set(settings):
+            return bad_request("this engine has no event publisher").response()
+        if settings.get("restart"):
+            engine.restart()
+        result: dict[str, Any] = {}
+        if settings.get("reset_prefix_cache"):
+            result["reset_prefix_cache"] = await engine.reset_prefix_cache()
+        return JSONResponse({**sim_state(), **result})
+
+    @asynccontextmanager
+    async def lifespan(_: Starlette) -> Any:
+        await engine.start()
+        try:
+            yield
+        finally:
+            await engine.stop()
+
+    routes = [
+        Route("/v1/models", gated(models), methods=["GET"]),
+        Route("/v1/completions", gated(completions), methods=["POST"]),
+        Route("/v1/chat/completions", gated(chat), methods=["POST"]),
+        Route("/v1/completions/render", gated(render_completions), methods=["POST"]),
+        Route("/v1/chat/completions/render", gated(render_chat_completions), methods=["POST"]),
+        Route("/tokenize", gated(tokenize), methods=["POST"]),
+        Route("/detokenize", gated(detokenize), methods=["POST"]),
+        Route("/health", gated(health), methods=["GET"]),
+        Route("/version", gated(version), methods=["GET"]),
+        Route("/metrics", gated(metrics), methods=["GET"]),
+        Route("/kv_event_sources", gated(kv_event_sources), methods=["GET"]),
+        Route("/reset_prefix_cache", gated(reset_prefix_cache), methods=["POST"]),
+        Route("/sim/faults", get_faults, methods=["GET"]),
+        Route("/sim/faults", post_faults, methods=["POST"]),
+        Route("/sim/state", get_faults, methods=["GET"]),
+        Route("/sim/probe", probe, methods=["POST"]),
+    ]
+    return Starlette(routes=routes, lifespan=lifespan)
+
+
+def _generate_request(
+    rid: str, ids: list[int], model: str, max_tokens: int, req: Any
+) -> dict[str, Any]:
+    """vLLM's GenerateRequest as the render endpoints return it (token_ids is what matters)."""
+    s = req.sampling
+    return {
+        "request_id": rid,
+        "token_ids": ids,
+        "token_offsets": None,
+        "features": None,
+        "content_parts": None,
+        "sampling_params": {
+            "n": 1,
+            "max_tokens": max_tokens,
+            "stop": s.stop,
+            "stop_token_ids": s.stop_token_ids,
+            "ignore_eos": s.ignore_eos,
+            "seed": s.seed,
+            "include_stop_str_in_output": s.include_stop_str_in_output,
+        },
+        "model": model,
+        "reasoning_ended": None,
+        "reasoning_parser_kwargs": None,
+        "return_token_ids": req.return_token_ids or None,
+        "output_mode": "tokens",
+        "parse_context": None,
+        "stream": req.stream,
+        "stream_options": (
+            {"include_usage": req.include_usage, "continuous_usage_stats": req.continuous_usage}
+            if req.stream
+            else None
+        ),
+        "cache_salt": req.cache_salt,
+        "priority": 0,
+        "kv_transfer_params": None,
+        "ec_transfer_params": None,
+    }

@@ -1,0 +1,198 @@
+"""`kvroute sim`: run one simulated vLLM engine; `kvroute sim fleet`: run several, with bridges.
+
+`kvroute sim` prints one JSON line once it serves: {"ready": true, "url", "events", "replay",
+"model", "pid"} and runs until SIGINT/SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from sim.cache_api import CacheBackend, CacheSpec
+from sim.engine.core import EngineConfig
+from sim.profiles import PROFILES
+from sim.publisher import PublisherConfig
+
+
+def _retention(value: str) -> int | None:
+    if value.lower() in ("none", "dense"):
+        return None
+    return int(value)
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Options shared by `kvroute sim` and `kvroute sim fleet` (passed on to each engine)."""
+    p.add_argument("--model", default="kvroute-sim", help="served model name")
+    p.add_argument(
+        "--lora", action="append", default=[], metavar="NAME", help="a LoRA adapter name"
+    )
+    p.add_argument(
+        "--model-profile",
+        "--profile",
+        dest="profile",
+        default="dense",
+        choices=sorted(PROFILES),
+        help="KV cache layout (see sim/profiles.py)",
+    )
+    p.add_argument("--sliding-window", type=int, help="override the profile's window")
+    p.add_argument("--num-blocks", type=int, default=4096, help="KV cache blocks (pool size)")
+    p.add_argument("--max-model-len", type=int, default=8192)
+    p.add_argument("--max-num-seqs", type=int, default=256, help="batch limit")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget/step")
+    p.add_argument(
+        "--retention",
+        type=_retention,
+        default=0,
+        help="prefix-cache retention interval: 0 (vLLM default), none (dense), N",
+    )
+    p.add_argument("--speed", type=float, default=1.0, help="run F times faster than an H100")
+    p.add_argument("--seed", type=int, default=0, help="generation seed")
+    p.add_argument(
+        "--wire-version", default="0.33", help="vLLM event wire version (0.23/0.26/0.33)"
+    )
+    p.add_argument("--topic", default="", help="ZMQ topic")
+    p.add_argument("--no-events", action="store_true", help="do not publish KV events")
+    p.add_argument("--no-replay", action="store_true", help="no replay ROUTER socket")
+    p.add_argument(
+        "--cache-backend",
+        choices=("sim", "vllm"),
+        default="sim",
+        help="sim: kvroute's reimplementation; vllm: vLLM's real KVCacheManager "
+        "(sim.vllm_backend, only where vLLM is installed)",
+    )
+    p.add_argument("--log-level", default="warning")
+
+
+def cache_factory(name: str) -> Callable[[CacheSpec], CacheBackend]:
+    """The cache backend class for --cache-backend (ImportError if vLLM is missing)."""
+    if name == "vllm":
+        from sim.vllm_backend import VllmCacheBackend  # type: ignore[import-not-found]
+
+        factory: Callable[[CacheSpec], CacheBackend] = VllmCacheBackend
+        return factory
+    from sim.cache import SimCache
+
+    return SimCache
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=args.model,
+        lora_adapters=tuple(args.lora),
+        profile=args.profile,
+        sliding_window=args.sliding_window,
+        num_blocks=args.num_blocks,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        retention_interval=args.retention,
+        speed=args.speed,
+        seed=args.seed,
+    )
+
+
+def engine_argv(args: argparse.Namespace) -> list[str]:
+    """The `kvroute sim` options that reproduce these engine settings (for the fleet)."""
+    out = [
+        "--model", args.model, "--model-profile", args.profile,
+        "--num-blocks", str(args.num_blocks), "--max-model-len", str(args.max_model_len),
+        "--max-num-seqs", str(args.max_num_seqs),
+        "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+        "--retention", "none" if args.retention is None else str(args.retention),
+        "--speed", str(args.speed), "--seed", str(args.seed),
+        "--wire-version", args.wire_version, "--topic", args.topic, "--log-level", args.log_level,
+        "--cache-backend", args.cache_backend,
+    ]  # fmt: skip
+    for name in args.lora:
+        out += ["--lora", name]
+    if args.sliding_window is not None:
+        out += ["--sliding-window", str(args.sliding_window)]
+    if args.no_events:
+        out.append("--no-events")
+    if args.no_replay:
+        out.append("--no-replay")
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvroute sim",
+        description="Run a simulated vLLM engine (OpenAI HTTP API + KV events on ZMQ). "
+        "`kvroute sim fleet --help` runs several.",
+    )
+    add_engine_args(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="HTTP port (0 = any free port)")
+    p.add_argument("--events-endpoint", default="tcp://127.0.0.1:0", help="ZMQ PUB bind address")
+    p.add_argument("--replay-endpoint", default="tcp://127.0.0.1:0", help="ZMQ ROUTER bind")
+    return p
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    from sim.server import start_engine
+
+    publisher = None
+    if not args.no_events:
+        publisher = PublisherConfig(
+            endpoint=args.events_endpoint,
+            replay_endpoint=None if args.no_replay else args.replay_endpoint,
+            topic=args.topic,
+            wire_version=args.wire_version,
+        )
+    running = await start_engine(
+        engine_config(args),
+        publisher,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        cache_factory=cache_factory(args.cache_backend),
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    info: dict[str, Any] = {
+        "ready": True,
+        "url": running.url,
+        "events": running.events,
+        "replay": running.replay,
+        "topic": args.topic,
+        "model": args.model,
+        "pid": os.getpid(),
+    }
+    print(json.dumps(info), flush=True)
+    try:
+        await stop.wait()
+    finally:
+        await running.aclose()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "fleet":
+        from sim.fleet import main as fleet_main
+
+        return fleet_main(argv[1:])
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper())
+    try:
+        engine_config(args).cache_spec()
+        cache_factory(args.cache_backend)
+    except ImportError as exc:
+        print(
+            f"kvroute sim: --cache-backend {args.cache_backend} unavailable: {exc}", file=sys.stderr
+        )
+        return 2
+    except ValueError as exc:
+        print(f"kvroute sim: {exc}", file=sys.stderr)
+        return 2
+    return asyncio.run(_serve(args))

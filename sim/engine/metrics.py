@@ -1,0 +1,73 @@
+"""The engine's Prometheus metrics, with vLLM's names, labels and buckets (one registry each)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+               7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+LABELS = ("model_name", "engine")
+
+
+class EngineMetrics:
+    """vLLM-named series: vllm:num_requests_running, vllm:kv_cache_usage_perc, ...
+
+    Counters are exposed with prometheus_client's `_total` suffix, as vLLM's are.
+    """
+
+    def __init__(self, model_name: str, engine: str = "0") -> None:
+        self.registry = CollectorRegistry()
+        r, lv = self.registry, (model_name, engine)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, LABELS, registry=r).labels(*lv)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, LABELS, registry=r).labels(*lv)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, LABELS, buckets=buckets, registry=r).labels(*lv)
+
+        self.running = gauge("vllm:num_requests_running", "Number of requests in model execution")
+        self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting")
+        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent")
+        self.prefix_queries = counter(
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens",
+        )
+        self.prefix_hits = counter(
+            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens"
+        )
+        self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemptions")
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed")
+        self.generation_tokens = counter(
+            "vllm:generation_tokens", "Number of generation tokens processed"
+        )
+        self._success = Counter(
+            "vllm:request_success",
+            "Count of successfully processed requests",
+            [*LABELS, "finished_reason"],
+            registry=r,
+        )
+        self._labels = lv
+        self.ttft = histogram(
+            "vllm:time_to_first_token_seconds", "Time to first token in seconds", TTFT_BUCKETS
+        )
+        self.itl = histogram(
+            "vllm:inter_token_latency_seconds", "Inter-token latency in seconds", ITL_BUCKETS
+        )
+        self.e2e = histogram(
+            "vllm:e2e_request_latency_seconds", "E2E request latency in seconds", LATENCY_BUCKETS
+        )
+        self.queue_time = histogram(
+            "vllm:request_queue_time_seconds",
+            "Time spent in WAITING phase for request",
+            LATENCY_BUCKETS,
+        )
+
+    def finished(self, reason: str) -> None:
+        self._success.labels(*self._labels, reason).inc()

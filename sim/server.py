@@ -1,0 +1,193 @@
+"""Running a simulated engine: in-process (tests, demo) or as the `kvroute sim` process.
+
+with SimEngineThread(EngineConfig(speed=20)) as sim:      # port 0, own thread + loop
+    sim.url            -> "http://127.0.0.1:PORT"
+    sim.events         -> "tcp://127.0.0.1:PORT" (PUB), sim.replay (ROUTER)
+    sim.engine, sim.publisher                                 # for white-box tests
+
+server = await start_engine(config)   # same, as a task in the running event loop
+...; await server.aclose()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import uvicorn
+
+from sim.api.app import build_app
+from sim.cache import SimCache
+from sim.cache_api import CacheBackend, CacheSpec
+from sim.engine.core import Engine, EngineConfig
+from sim.publisher import EventPublisher, PublisherConfig
+
+DEFAULT_PUBLISHER = PublisherConfig()  # loopback, ephemeral PUB and replay ports, wire 0.33
+
+
+def bind_socket(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
+    """A listening TCP socket (port 0 = a free ephemeral port), ready for uvicorn."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+@dataclass
+class RunningEngine:
+    """A started engine in the current event loop."""
+
+    engine: Engine
+    publisher: EventPublisher | None
+    server: uvicorn.Server
+    task: asyncio.Task[None]
+    host: str
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def events(self) -> str | None:
+        return self.publisher.endpoint if self.publisher else None
+
+    @property
+    def replay(self) -> str | None:
+        return self.publisher.replay_endpoint if self.publisher else None
+
+    async def aclose(self) -> None:
+        self.server.should_exit = True
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait_for(self.task, 10)
+        if self.publisher is not None:
+            self.publisher.close()
+
+
+async def start_engine(
+    config: EngineConfig,
+    publisher_config: PublisherConfig | None = None,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    log_level: str = "warning",
+    fail_seed: int = 0,
+    cache_factory: Callable[[CacheSpec], CacheBackend] = SimCache,
+) -> RunningEngine:
+    """Start an engine + its HTTP server (+ event publisher) in the running loop.
+
+    `cache_factory` picks the cache backend (kvroute's SimCache, or vLLM's real manager via
+    `sim.vllm_backend` inside the vLLM environment)."""
+    publisher = EventPublisher(publisher_config) if publisher_config is not None else None
+    if publisher is not None:
+        publisher.start()
+    engine = Engine(config, publisher=publisher, cache_factory=cache_factory)
+    app = build_app(engine, publisher, fail_seed=fail_seed)
+    sock = bind_socket(host, port)
+    server = uvicorn.Server(
+        uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="on")
+    )
+    task = asyncio.create_task(server.serve(sockets=[sock]), name="sim-http")
+    while not server.started:
+        if task.done():
+            sock.close()
+            if publisher is not None:
+                publisher.close()
+            await task  # raises the startup error
+            raise RuntimeError("simulated engine server exited during start-up")
+        await asyncio.sleep(0.01)
+    return RunningEngine(engine, publisher, server, task, host, sock.getsockname()[1])
+
+
+class SimEngineThread:
+    """A simulated engine on its own thread and event loop, for synchronous callers."""
+
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        publisher_config: PublisherConfig | None = DEFAULT_PUBLISHER,
+        **kwargs: Any,
+    ) -> None:
+        self.config = config or EngineConfig()
+        self.publisher_config = publisher_config
+        self._kwargs = kwargs
+        self._loop = asyncio.new_event_loop()
+        self._thread: threading.Thread | None = None
+        self.running: RunningEngine | None = None
+
+    def start(self) -> SimEngineThread:
+        ready = threading.Event()
+        error: list[BaseException] = []
+
+        def run() -> None:
+            asyncio.set_event_loop(self._loop)
+            try:
+                self.running = self._loop.run_until_complete(
+                    start_engine(self.config, self.publisher_config, **self._kwargs)
+                )
+            except BaseException as exc:  # reported to the starting thread
+                error.append(exc)
+                ready.set()
+                return
+            ready.set()
+            self._loop.run_forever()
+
+        self._thread = threading.Thread(target=run, name="sim-engine-thread", daemon=True)
+        self._thread.start()
+        ready.wait(30)
+        if error:
+            raise error[0]
+        if self.running is None:
+            raise RuntimeError("simulated engine did not start in 30 s")
+        return self
+
+    def call(self, coro: Any, timeout: float = 30) -> Any:
+        """Run a coroutine on the engine's loop (e.g. white-box checks) and wait for it."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def stop(self) -> None:
+        if self.running is not None and self._thread is not None:
+            with contextlib.suppress(Exception):
+                self.call(self.running.aclose())
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(10)
+            self._loop.close()
+            self.running = None
+
+    def __enter__(self) -> SimEngineThread:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def engine(self) -> Engine:
+        assert self.running is not None
+        return self.running.engine
+
+    @property
+    def publisher(self) -> EventPublisher | None:
+        assert self.running is not None
+        return self.running.publisher
+
+    @property
+    def url(self) -> str:
+        assert self.running is not None
+        return self.running.url
+
+    @property
+    def events(self) -> str | None:
+        assert self.running is not None
+        return self.running.events
+
+    @property
+    def replay(self) -> str | None:
+        assert self.running is not None
+        return self.running.replay

@@ -1,0 +1,159 @@
+"""Config: defaults, file + env + flag precedence, shorthands, and every kind of bad value."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from router.cli import flag_overrides, parse_args
+from router.config import RouterConfig
+from router.config_load import (
+    ConfigError,
+    config_from_dict,
+    describe_defaults,
+    load_config,
+    worker_from_dict,
+)
+
+FLEET = {
+    "workers": [
+        {"name": "w0", "url": "http://127.0.0.1:8001", "bridge": "127.0.0.1:50051", "dp_rank": 0},
+        {"name": "w1", "url": "http://127.0.0.1:8002", "zmq": "tcp://127.0.0.1:5557"},
+    ],
+    "models": {"m": {"tokenizer": "render", "alignment": 32}},
+}
+
+
+def write(tmp_path: Path, data: object) -> str:
+    path = tmp_path / "router.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def test_fleet_config_as_sim_writes_it(tmp_path: Path) -> None:
+    cfg = load_config(write(tmp_path, FLEET), env={})
+    assert [w.name for w in cfg.workers] == ["w0", "w1"]
+    assert cfg.workers[0].bridge == "127.0.0.1:50051"
+    assert cfg.workers[1].zmq == "tcp://127.0.0.1:5557"
+    assert cfg.models["m"].tokenizer == "render"
+    assert cfg.models["m"].alignment == 32
+    assert cfg.policy.name == "ttft"  # default
+
+
+def test_precedence_defaults_file_env_flags(tmp_path: Path) -> None:
+    data = {**FLEET, "port": 9000, "policy": "random", "limits": {"max_body_bytes": 1000}}
+    path = write(tmp_path, data)
+    env = {"KVROUTE_PORT": "9100", "KVROUTE_LIMITS__MAX_BODY_BYTES": "2000", "KVROUTE_X": "1"}
+    cfg = load_config(path, env=env)
+    assert cfg.port == 9100  # env beats file
+    assert cfg.limits.max_body_bytes == 2000
+    assert cfg.policy.name == "random"  # file beats default
+    args = parse_args(["--port", "9200", "--policy", "least_load", "--admin-token", "t" * 8])
+    cfg = load_config(path, env=env, overrides=flag_overrides(args))
+    assert cfg.port == 9200  # flag beats env
+    assert cfg.policy.name == "least_load"
+    assert cfg.admin.token == "t" * 8
+    assert cfg.timeouts == RouterConfig().timeouts  # untouched sections keep defaults
+
+
+def test_config_path_from_environment(tmp_path: Path) -> None:
+    path = write(tmp_path, FLEET)
+    cfg = load_config(None, env={"KVROUTE_CONFIG": path, "KVROUTE_POLICY__NAME": "session"})
+    assert cfg.policy.name == "session"
+    assert len(cfg.workers) == 2
+
+
+def test_model_shorthand_and_policy_mapping() -> None:
+    cfg = config_from_dict(
+        {**FLEET, "models": {"m": "request"}, "policy": {"name": "ttft", "spill": False}}
+    )
+    assert cfg.models["m"].tokenizer == "request"
+    assert cfg.policy.spill is False
+
+
+@pytest.mark.parametrize(
+    ("patch", "message"),
+    [
+        ({"port": 70000}, "port: expected 0..65535"),
+        ({"port": "x"}, "port: expected an integer"),
+        ({"policy": "fastest"}, "policy.name: expected one of"),
+        ({"polcy": "ttft"}, "polcy: unknown key"),
+        ({"policy": {"prefill_tokens_per_s": -1}}, "policy.prefill_tokens_per_s"),
+        ({"policy": {"spill": "yes"}}, "policy.spill: expected true or false"),
+        ({"workers": []}, "workers: at least one worker"),
+        ({"workers": [{"name": "a", "url": "localhost:80"}]}, "workers[0].url"),
+        ({"workers": [{"name": "a", "url": "http://h:1", "bridge": "h"}]}, "workers[0].bridge"),
+        (
+            {"workers": [{"name": "a", "url": "http://h:1", "bridge": "h:1", "zmq": "tcp://h:2"}]},
+            "bridge or zmq, not both",
+        ),
+        (
+            {"workers": [{"name": "a", "url": "http://h:1"}, {"name": "a", "url": "http://h:2"}]},
+            "duplicate name",
+        ),
+        ({"workers": [{"name": "a", "url": "http://h:1", "colour": 1}]}, "workers[0].colour"),
+        ({"models": {"m": {"tokenizer": "/no/such/dir"}}}, "models.m.tokenizer: no such"),
+        ({"models": {"m": {"alignment": 0}}}, "models.m.alignment"),
+        ({"models": {"m": {"alignment": 24}}}, "multiple of policy.hash_unit"),
+        ({"verify": {"min_samples": 100}}, "verify.min_samples"),
+        ({"retry": {"max_attempts": 0}}, "retry.max_attempts"),
+        ({"admin": {"token": "short"}}, "admin.token"),
+        ({"breaker": {"open_s": 0}}, "breaker.open_s"),
+    ],
+)
+def test_bad_values_have_clear_errors(patch: dict[str, object], message: str) -> None:
+    data = {**FLEET, **patch}
+    with pytest.raises(ConfigError) as err:
+        config_from_dict(data)
+    assert message in str(err.value)
+
+
+def test_all_problems_reported_at_once() -> None:
+    with pytest.raises(ConfigError) as err:
+        config_from_dict({**FLEET, "port": "x", "log_level": 3, "nope": 1})
+    text = str(err.value)
+    assert "port" in text and "log_level" in text and "nope" in text
+
+
+def test_unreadable_and_malformed_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(str(tmp_path / "missing.yaml"), env={})
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("workers: [unclosed")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(str(bad), env={})
+    scalar = tmp_path / "scalar.yaml"
+    scalar.write_text("42")
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(str(scalar), env={})
+
+
+def test_no_workers_allowed_with_admin_token() -> None:
+    cfg = config_from_dict({"admin": {"token": "secret-token"}})
+    assert cfg.workers == []
+
+
+def test_worker_from_dict_for_admin_add() -> None:
+    spec = worker_from_dict({"name": "w9", "url": "http://127.0.0.1:9", "model": "m"})
+    assert spec.model == "m"
+    with pytest.raises(ConfigError, match=r"worker\.url"):
+        worker_from_dict({"name": "w9", "url": "ftp://x"})
+    with pytest.raises(ConfigError, match="unknown key"):
+        worker_from_dict({"name": "w9", "url": "http://x:1", "extra": True})
+
+
+def test_defaults_reference_documents_every_field() -> None:
+    text = describe_defaults()
+    for key in ("prefill_tokens_per_s: 20000.0", "max_body_bytes: 16777216", "token: null"):
+        assert key in text
+    assert text.count("#") > 60  # every line carries its documentation
+    assert yaml.safe_load(text) is not None  # the reference is valid YAML itself
+
+
+def test_discovery_section_is_validated() -> None:
+    cfg = config_from_dict({"discovery": {"file": {"path": "/tmp/w.yaml"}}})
+    assert cfg.workers == [] and cfg.discovery["file"]["path"] == "/tmp/w.yaml"
+    with pytest.raises(ConfigError, match="discovery"):
+        config_from_dict({**FLEET, "discovery": {"files": {}}})

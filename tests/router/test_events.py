@@ -1,0 +1,167 @@
+"""Event subscriptions against the bridge's real gRPC service on loopback (its RankStream fed
+directly, no engine): snapshot then batches, loss and resume, resync from a snapshot."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from bridge.metrics import BridgeMetrics
+from bridge.server import kv_events_handler, start_grpc_server
+from bridge.state import EngineState
+from bridge.stream import RankStream
+from proto import events_pb2
+from router.config import BreakerConfig, EventsConfig, WorkerSpec
+from router.events import LIVE, LOST, EventSubscriptions
+from router.metrics import RouterMetrics
+from router.workers import WorkerRegistry
+from tests.router.fakes import ScriptedIndex
+
+OP = events_pb2.KvGroupEvent
+
+
+def batch(seq: int, first_token: int) -> events_pb2.KvEventBatch:
+    store = OP(
+        operation=OP.STORE,
+        group_id=0,
+        block_hashes=[seq.to_bytes(8, "big")],
+        token_ids=list(range(first_token, first_token + 16)),
+        block_size=16,
+        kind="full_attention",
+    )
+    return events_pb2.KvEventBatch(sequence=seq, timestamp=0.0, events=[store])
+
+
+async def until(cond: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not cond():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not reached")
+        await asyncio.sleep(0.01)
+
+
+class FakeBridge:
+    """The bridge's gRPC server over one RankStream that the test feeds."""
+
+    def __init__(self) -> None:
+        self.stream = RankStream(0, "test-bridge", EngineState(0), BridgeMetrics())
+        self.server: Any = None
+        self.port = 0
+
+    async def start(self, port: int = 0) -> None:
+        handler = kv_events_handler(lambda rank: self.stream if rank == 0 else None)
+        self.server, self.port = await start_grpc_server(f"127.0.0.1:{port}", handler)
+
+    async def stop(self) -> None:
+        await self.server.stop(grace=None)
+
+
+def run(fn: Callable[[], Awaitable[None]]) -> None:
+    asyncio.run(fn())
+
+
+def test_snapshot_batches_loss_resume_and_resync() -> None:
+    async def go() -> None:
+        bridge = FakeBridge()
+        await bridge.start()
+        bridge.stream.apply(batch(1, 0))  # already cached before the router subscribes
+        index = ScriptedIndex()
+        metrics = RouterMetrics()
+        events = EventSubscriptions(
+            index, EventsConfig(reconnect_initial_s=0.05, reconnect_max_s=0.1), metrics
+        )
+        registry = WorkerRegistry(BreakerConfig())
+        registry.listen(events)
+        registry.add(
+            WorkerSpec(name="w0", url="http://127.0.0.1:1", bridge=f"127.0.0.1:{bridge.port}")
+        )
+        assert "w0" in events.unusable()  # nothing known yet
+        await events.start()
+        try:
+            await until(lambda: index.snapshots == [("w0", "initial")])
+            status = events.status("w0")
+            assert status is not None and status.state == LIVE and "w0" not in events.unusable()
+            bridge.stream.apply(batch(2, 16))
+            bridge.stream.apply(batch(3, 32))
+            await until(lambda: index.batches == [("w0", 2), ("w0", 3)])
+            assert status.last_sequence == 3
+
+            # the bridge goes away: the view is kept but not trusted
+            await bridge.stop()
+            await until(lambda: status.state == LOST)
+            assert "w0" in events.unusable() and index.invalidated == []
+            bridge.stream.apply(batch(4, 48))  # happens while the router is away
+            await bridge.start(bridge.port)
+            # resumed after 3: only the missed batch, no snapshot
+            await until(lambda: ("w0", 4) in index.batches)
+            assert len(index.snapshots) == 1 and status.state == LIVE
+            assert "w0" not in events.unusable()
+
+            # drift detected elsewhere: discard and start from a snapshot
+            assert events.resync("w0")
+            assert index.invalidated == ["w0"]
+            await until(lambda: len(index.snapshots) == 2)
+            assert index.snapshots[-1] == ("w0", "initial") and status.state == LIVE
+            assert not events.resync("nope")
+
+            registry.remove("w0")
+            assert index.removed == ["w0"] and events.status("w0") is None
+        finally:
+            await events.stop()
+            await bridge.stop()
+        text = metrics.registry.get_sample_value(
+            "kvroute_event_stream_lost_total", {"worker": "w0"}
+        )
+        assert text == 1
+
+    run(go)
+
+
+def test_resume_impossible_gets_a_snapshot() -> None:
+    async def go() -> None:
+        bridge = FakeBridge()
+        await bridge.start()
+        bridge.stream.apply(batch(1, 0))
+        index = ScriptedIndex()
+        events = EventSubscriptions(
+            index, EventsConfig(reconnect_initial_s=0.05, reconnect_max_s=0.1), RouterMetrics()
+        )
+        registry = WorkerRegistry(BreakerConfig())
+        registry.listen(events)
+        registry.add(
+            WorkerSpec(name="w0", url="http://127.0.0.1:1", bridge=f"127.0.0.1:{bridge.port}")
+        )
+        await events.start()
+        try:
+            await until(lambda: len(index.snapshots) == 1)
+            await bridge.stop()
+            bridge.stream.reset("restart")  # the engine restarted: a new stream id
+            bridge.stream.apply(batch(1, 100))
+            await bridge.start(bridge.port)
+            await until(lambda: len(index.snapshots) == 2)
+            assert index.snapshots[-1] == ("w0", "resume_unavailable")
+        finally:
+            await events.stop()
+            await bridge.stop()
+
+    run(go)
+
+
+def test_unreachable_bridge_stays_unusable() -> None:
+    async def go() -> None:
+        index = ScriptedIndex()
+        events = EventSubscriptions(
+            index, EventsConfig(reconnect_initial_s=0.05, reconnect_max_s=0.1), RouterMetrics()
+        )
+        registry = WorkerRegistry(BreakerConfig())
+        registry.listen(events)
+        await events.start()
+        registry.add(WorkerSpec(name="w0", url="http://127.0.0.1:1", bridge="127.0.0.1:1"))
+        try:
+            await until(lambda: (events.status("w0") or events).reconnects >= 2)  # type: ignore[union-attr]
+            assert "w0" in events.unusable() and index.snapshots == []
+        finally:
+            await events.stop()
+
+    run(go)

@@ -1,0 +1,151 @@
+"""Routing decisions from the real index, fed through the bridge's gRPC service on loopback:
+hybrid-correct choice (where a full-attention-only router picks wrongly), cache_salt and LoRA
+namespaces, expectations for back-to-back requests."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+from proto import events_pb2
+from router.fleet_index import FleetIndexView
+from tests.router.harness import Rig, rig
+from tests.router.test_events import FakeBridge, until
+
+OP = events_pb2.KvGroupEvent
+PROMPT = list(range(5000, 5000 + 1100))  # the request: 1100 token ids
+WINDOW = 128
+
+
+def store(group: int, kind: str, n_blocks: int, *, window: int = 0, salt: str = "",
+          lora: str = "", tag: int = 0) -> Any:  # fmt: skip
+    """A dense store of the first n_blocks 16-token blocks of PROMPT in one group."""
+    return OP(
+        operation=OP.STORE,
+        group_id=group,
+        block_hashes=[(tag << 32 | group << 24 | i).to_bytes(8, "big") for i in range(n_blocks)],
+        token_ids=PROMPT[: 16 * n_blocks],
+        block_size=16,
+        kind=kind,
+        sliding_window=window,
+        cache_salt=salt,
+        lora_name=lora,
+    )
+
+
+@contextlib.asynccontextmanager
+async def fleet(
+    views: dict[str, list[Any]], policy: str = "ttft", models: list[dict[str, Any]] | None = None
+) -> AsyncIterator[Rig]:
+    """Fake engines w0..wn, each with a bridge whose cache holds `views[name]`."""
+    bridges = {name: FakeBridge() for name in views}
+    for name, bridge in bridges.items():
+        await bridge.start()
+        bridge.stream.apply(events_pb2.KvEventBatch(sequence=1, events=views[name]))
+    try:
+        async with rig(
+            len(views),
+            bridges={n: f"127.0.0.1:{b.port}" for n, b in bridges.items()},
+            index=FleetIndexView(16),
+            policy=policy,
+            models={"m": {"tokenizer": "request"}},
+        ) as r:
+            if models is not None:
+                for s in r.engines.values():
+                    s.models = models
+                from router.health import ModelsProbe
+
+                for w in r.parts.registry:
+                    await ModelsProbe(r.parts.registry, r.parts.upstream)(w)
+            await until(lambda: not r.parts.events.unusable())
+            yield r
+    finally:
+        for bridge in bridges.values():
+            await bridge.stop()
+
+
+async def score(r: Rig, **body: Any) -> dict[str, Any]:
+    req = {"model": "m", "prompt": PROMPT, **body}
+    resp = await r.client.post(
+        "/admin/score?endpoint=/v1/completions", json=req, headers=r.admin_headers()
+    )
+    assert resp.status_code == 200, resp.text
+    answer: dict[str, Any] = resp.json()
+    return answer
+
+
+HYBRID = {
+    # w0: full attention covers 1024 tokens, but its sliding-window group kept only the first
+    # 8 blocks: vLLM can reuse just 128 tokens there.
+    "w0": [store(0, "full_attention", 64), store(1, "sliding_window", 8, window=WINDOW)],
+    # w1: full attention covers 512 tokens and the window group covers them too: 512 reusable.
+    "w1": [store(0, "full_attention", 32), store(1, "sliding_window", 32, window=WINDOW)],
+}
+
+
+def test_hybrid_correct_choice_where_full_attention_only_is_wrong() -> None:
+    async def go() -> None:
+        async with fleet(HYBRID) as r:
+            ans = await score(r)
+            by = {w["worker"]: w for w in ans["workers"]}
+            assert by["w0"]["predicted_reuse"] == 128
+            assert by["w1"]["predicted_reuse"] == 512
+            assert by["w0"]["full_attention_only_reuse"] == 1024  # what llm-d/Dynamo see
+            assert ans["chosen"] == "w1" and ans["reason"] == "cache"
+            kinds = {g["kind"]: g["accepted_tokens"] for g in by["w0"]["groups"]}
+            assert kinds == {"full_attention": 1024, "sliding_window": 128}
+            # the same request through the proxy lands on w1
+            resp = await r.client.post("/v1/completions", json={"model": "m", "prompt": PROMPT})
+            assert resp.json()["engine"] == "w1"
+        async with fleet(HYBRID, policy="full_attention_only") as r:
+            ans = await score(r)
+            assert ans["chosen"] == "w0"  # the full-attention-only view picks wrongly
+            by = {w["worker"]: w for w in ans["workers"]}
+            assert by["w0"]["predicted_reuse"] == 1024
+
+    asyncio.run(go())
+
+
+def test_cache_salt_and_lora_are_separate_namespaces() -> None:
+    views = {
+        "w0": [store(0, "full_attention", 32, salt="tenant-a", tag=1)],
+        "w1": [store(0, "full_attention", 32, tag=2)],
+        "w2": [store(0, "full_attention", 48, lora="sql-lora", tag=3)],
+    }
+    models = [{"id": "m", "object": "model"}, {"id": "sql-lora", "object": "model", "parent": "m"}]
+
+    async def go() -> None:
+        async with fleet(views, models=models) as r:
+            plain = {w["worker"]: w["predicted_reuse"] for w in (await score(r))["workers"]}
+            assert plain == {"w0": 0, "w1": 512, "w2": 0}
+            salted = await score(r, cache_salt="tenant-a")
+            assert {w["worker"]: w["predicted_reuse"] for w in salted["workers"]} == {
+                "w0": 512, "w1": 0, "w2": 0,
+            }  # fmt: skip
+            assert salted["chosen"] == "w0"
+            other = await score(r, cache_salt="tenant-b")
+            assert all(w["predicted_reuse"] == 0 for w in other["workers"])
+            lora = await score(r, model="sql-lora")
+            assert lora["lora_name"] == "sql-lora" and lora["chosen"] == "w2"
+            assert {w["worker"]: w["predicted_reuse"] for w in lora["workers"]}["w2"] == 768
+
+    asyncio.run(go())
+
+
+def test_expectation_sends_a_follow_up_to_the_same_worker() -> None:
+    async def go() -> None:
+        async with fleet({"w0": [], "w1": [], "w2": []}) as r:
+            first = await r.client.post("/v1/completions", json={"model": "m", "prompt": PROMPT})
+            target = first.json()["engine"]
+            # no event has arrived for it, but the router expects the prompt to be cached there
+            follow = PROMPT + list(range(100))
+            ans = await score(r, prompt=follow)
+            assert ans["chosen"] == target and ans["reason"] == "cache"
+            by = {w["worker"]: w["predicted_reuse"] for w in ans["workers"]}
+            assert by[target] == 1088  # aligned down to 16
+            second = await r.client.post("/v1/completions", json={"model": "m", "prompt": follow})
+            assert second.json()["engine"] == target
+
+    asyncio.run(go())

@@ -1,0 +1,178 @@
+"""Policy decisions on constructed candidates (predicted reuse given directly; the index has
+its own tests)."""
+
+from __future__ import annotations
+
+import collections
+
+from router.config import BreakerConfig, PolicyConfig, WorkerSpec
+from router.index_view import GroupReuse, ReuseExplanation
+from router.load import EngineMetrics, LoadTicket
+from router.policy import (
+    CACHE,
+    LEAST_LOAD,
+    ROUND_ROBIN,
+    SESSION,
+    SPILL,
+    LoadModel,
+    RouteInput,
+    make_policy,
+    session_key,
+)
+from router.workers import Worker, WorkerRegistry
+
+
+def fleet(n: int) -> list[Worker]:
+    reg = WorkerRegistry(BreakerConfig())
+    return [reg.add(WorkerSpec(name=f"w{i}", url=f"http://127.0.0.1:{9000 + i}")) for i in range(n)]
+
+
+def policy(name: str = "ttft", **kw: object) -> tuple[PolicyConfig, LoadModel]:
+    cfg = PolicyConfig(name=name, **kw)  # type: ignore[arg-type]
+    return cfg, LoadModel(cfg, lambda: 1000.0, stale_after_s=5.0)
+
+
+def test_prefers_reuse_when_loads_equal() -> None:
+    cfg, lm = policy()
+    p = make_policy(cfg, lm)
+    ws = fleet(3)
+    d = p.decide(ws, RouteInput(4000, {"w0": 0, "w1": 3200, "w2": 1600}, None), 0.0)
+    assert d.chosen is not None and d.chosen.name == "w1" and d.reason == CACHE
+    assert d.predicted_reuse == 3200
+    by = {c.name: c for c in d.candidates}
+    assert by["w1"].uncached == 800 and by["w0"].uncached == 4000
+    assert by["w1"].est_ttft_s < by["w2"].est_ttft_s < by["w0"].est_ttft_s
+
+
+def test_queue_outweighs_small_reuse() -> None:
+    cfg, lm = policy(prefill_tokens_per_s=10_000.0, saturation_queue_s=100.0)
+    p = make_policy(cfg, lm)
+    ws = fleet(2)
+    LoadTicket(ws[0].load, 50_000)  # 5 s of prefill queued on w0
+    d = p.decide(ws, RouteInput(4000, {"w0": 2000, "w1": 0}, None), 0.0)
+    assert d.chosen is not None and d.chosen.name == "w1"  # 0.4 s beats 5.2 s
+    d = p.decide(ws, RouteInput(100_000, {"w0": 90_000, "w1": 0}, None), 0.0)
+    assert d.chosen is not None and d.chosen.name == "w0"  # 6 s beats 10 s
+
+
+def test_spill_when_cache_best_is_saturated() -> None:
+    cfg, lm = policy(max_running_per_worker=4)
+    p = make_policy(cfg, lm)
+    ws = fleet(3)
+    for _ in range(4):
+        LoadTicket(ws[0].load, 0).prefill_done()  # 4 running decodes: saturated
+    d = p.decide(ws, RouteInput(8000, {"w0": 7984, "w1": 16, "w2": 0}, None), 0.0)
+    assert d.chosen is not None and d.chosen.name == "w1" and d.reason == SPILL
+    assert "w0 saturated" in d.detail
+    cfg2, lm2 = policy(max_running_per_worker=4, spill=False)
+    d = make_policy(cfg2, lm2).decide(ws, RouteInput(8000, {"w0": 7984, "w1": 16}, None), 0.0)
+    assert d.chosen is not None and d.chosen.name == "w0"  # spill off: stays
+
+
+def test_kv_usage_from_metrics_saturates() -> None:
+    cfg, lm = policy()
+    ws = fleet(2)
+    ws[0].load.engine = EngineMetrics(1, 0, 0.99, at=0.0, own_running_at=0, own_prefilling_at=0)
+    d = make_policy(cfg, lm).decide(ws, RouteInput(1000, {"w0": 900, "w1": 0}, None), 1.0)
+    assert d.chosen is not None and d.chosen.name == "w1" and d.reason == SPILL
+
+
+def test_other_replicas_load_from_metrics() -> None:
+    _, lm = policy()
+    ws = fleet(1)
+    w = ws[0]
+    LoadTicket(w.load, 500)  # one own request, still prefilling
+    w.load.engine = EngineMetrics(5, 3, 0.1, at=10.0, own_running_at=1, own_prefilling_at=1)
+    c = lm.candidate(w, 0, 100, now=11.0)
+    # engine had 8 requests, we sent 1: 7 are others'; 2 of its 3 waiting are others'
+    assert c.running == 1 + 7
+    assert c.queued_tokens == 500 + 2 * 1000
+    stale = lm.candidate(w, 0, 100, now=100.0)  # scrape too old: own accounting only
+    assert stale.running == 1 and stale.queued_tokens == 500
+
+
+def test_cold_requests_use_session_then_least_load() -> None:
+    cfg, lm = policy()
+    p = make_policy(cfg, lm)
+    ws = fleet(4)
+    picks = {p.decide(ws, RouteInput(100, {}, "alice"), 0.0).chosen.name for _ in range(5)}  # type: ignore[union-attr]
+    assert len(picks) == 1  # sticky
+    d = p.decide(ws, RouteInput(100, {"w0": 0}, "alice"), 0.0)
+    assert d.reason == SESSION
+    spread = collections.Counter(
+        p.decide(ws, RouteInput(100, {}, f"user-{i}"), 0.0).chosen.name  # type: ignore[union-attr]
+        for i in range(400)
+    )
+    assert len(spread) == 4
+    d = p.decide(ws, RouteInput(100, {}, None), 0.0)
+    assert d.reason == LEAST_LOAD
+    names = [p.decide(ws, RouteInput(100, {}, None), 0.0).chosen.name for _ in range(8)]  # type: ignore[union-attr]
+    assert set(names) == {"w0", "w1", "w2", "w3"}  # equal workers take turns
+    LoadTicket(ws[2].load, 10)
+    LoadTicket(ws[3].load, 10)
+    LoadTicket(ws[0].load, 10)
+    assert p.decide(ws, RouteInput(100, {}, None), 0.0).chosen.name == "w1"  # type: ignore[union-attr]
+
+
+def test_session_moves_off_an_overloaded_home() -> None:
+    cfg, lm = policy()
+    p = make_policy(cfg, lm)
+    ws = fleet(3)
+    home = p.decide(ws, RouteInput(100, {}, "bob"), 0.0).chosen
+    assert home is not None
+    for _ in range(6):
+        LoadTicket(home.worker.load, 0)
+    moved = p.decide(ws, RouteInput(100, {}, "bob"), 0.0).chosen
+    assert moved is not None and moved.name != home.name
+
+
+def test_baseline_policies() -> None:
+    ws = fleet(3)
+    cfg, lm = policy("round_robin")
+    rr = make_policy(cfg, lm)
+    seq = [rr.decide(ws, RouteInput(10, {"w0": 9}, None), 0.0) for _ in range(6)]
+    assert [d.chosen.name for d in seq] == ["w1", "w2", "w0", "w1", "w2", "w0"]  # type: ignore[union-attr]
+    assert seq[0].reason == ROUND_ROBIN
+    cfg, lm = policy("random", seed=7)
+    a = [
+        make_policy(cfg, lm).decide(ws, RouteInput(10, {}, None), 0.0).chosen.name for _ in range(1)
+    ]  # type: ignore[union-attr]
+    r = make_policy(cfg, lm)
+    picks = collections.Counter(
+        r.decide(ws, RouteInput(10, {}, None), 0.0).chosen.name for _ in range(300)
+    )  # type: ignore[union-attr]
+    assert len(picks) == 3 and a
+    cfg, lm = policy("least_load")
+    LoadTicket(ws[0].load, 5000)
+    d = make_policy(cfg, lm).decide(ws, RouteInput(10, {"w0": 10}, None), 0.0)
+    assert d.chosen is not None and d.chosen.name != "w0"  # ignores the cache
+    cfg, lm = policy("session")
+    s = make_policy(cfg, lm)
+    assert s.decide(ws, RouteInput(10, {}, "k"), 0.0).reason == SESSION
+    assert s.decide(ws, RouteInput(10, {}, None), 0.0).reason == LEAST_LOAD
+
+
+def test_no_candidates() -> None:
+    cfg, lm = policy()
+    d = make_policy(cfg, lm).decide([], RouteInput(10, {}, None), 0.0)
+    assert d.chosen is None and d.reason == "no_worker"
+
+
+def test_full_attention_only_view() -> None:
+    groups = [
+        GroupReuse(0, "full_attention", 16, 0, 4096),
+        GroupReuse(1, "sliding_window", 16, 1024, 0),
+    ]
+    exp = ReuseExplanation(0, groups, 16, "swa group has no window at 4096")
+    assert exp.full_attention_only() == 4096  # what llm-d/Dynamo would predict
+    assert ReuseExplanation(None, []).full_attention_only() is None
+
+
+def test_session_key_sources() -> None:
+    cfg = PolicyConfig()
+    assert session_key({"x-session-id": "h"}, {"user": "u"}, cfg) == "h"
+    assert session_key({}, {"user": "u"}, cfg) == "u"
+    assert session_key({}, {"user": ""}, cfg) is None
+    dotted = PolicyConfig(session_header="", session_field="metadata.session")
+    assert session_key({"x-session-id": "h"}, {"metadata": {"session": 12}}, dotted) == "12"
+    assert session_key({}, {"metadata": "x"}, dotted) is None

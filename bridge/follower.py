@@ -144,6 +144,10 @@ class EngineFollower:
                 self._reconnected = True
                 self._metrics.engine_connected.labels(self._label).set(0)
                 log.warning("rank %s: engine disconnected; waiting", self._label)
+                # The engine may have crashed or restarted, its cache with it; a view kept
+                # until it publishes again could only give routers stale hits.
+                if self._last is not None:
+                    self._reset("disconnect", None)
 
     def _close_dealer(self) -> None:
         if self._dealer is not None:

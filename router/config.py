@@ -148,6 +148,10 @@ class LoadConfig:
 class EventsConfig:
     reconnect_initial_s: float = _f(0.2, "first wait before re-subscribing to a lost stream")
     reconnect_max_s: float = _f(5.0, "upper bound of the reconnect backoff")
+    keepalive_s: float = _f(
+        20.0, "gRPC keepalive ping period on bridge streams (finds a silently cut network)"
+    )
+    keepalive_timeout_s: float = _f(10.0, "a keepalive ping unanswered this long drops the stream")
     max_entries_per_worker: int = _f(2_000_000, "index entries kept per worker (LRU beyond)")
     max_pending_per_worker: int = _f(100_000, "unresolved reported blocks kept per worker")
 

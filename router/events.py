@@ -63,13 +63,15 @@ class Transport(Protocol):
 class GrpcTransport:
     """The bridge's KvEvents.Subscribe over one gRPC channel (kept across reconnects)."""
 
-    def __init__(self, target: str) -> None:
+    def __init__(self, target: str, keepalive_s: float = 20.0, timeout_s: float = 10.0) -> None:
         self._channel = grpc.aio.insecure_channel(
             target,
             options=[
                 ("grpc.max_receive_message_length", 512 * 1024 * 1024),
-                ("grpc.keepalive_time_ms", 20_000),
-                ("grpc.keepalive_timeout_ms", 10_000),
+                ("grpc.keepalive_time_ms", int(keepalive_s * 1000)),
+                ("grpc.keepalive_timeout_ms", int(timeout_s * 1000)),
+                # keep pinging on a quiet stream (an idle engine sends nothing for minutes)
+                ("grpc.http2.max_pings_without_data", 0),
             ],
         )
         self._subscribe = self._channel.unary_stream(
@@ -97,9 +99,10 @@ class GrpcTransport:
 TransportFactory = Callable[[Worker], "Transport | None"]
 
 
-def default_transport(worker: Worker) -> Transport | None:
+def default_transport(worker: Worker, cfg: EventsConfig | None = None) -> Transport | None:
     if worker.spec.bridge:
-        return GrpcTransport(worker.spec.bridge)
+        cfg = cfg or EventsConfig()
+        return GrpcTransport(worker.spec.bridge, cfg.keepalive_s, cfg.keepalive_timeout_s)
     if worker.spec.zmq:
         from router.zmq_source import ZmqTransport
 

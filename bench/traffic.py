@@ -164,13 +164,20 @@ async def post_json(
     headers: Mapping[str, str] | None = None,
     method: str = "POST",
 ) -> tuple[int, Any, Mapping[str, str]]:
-    async with session.request(method, url, json=body, headers=headers) as resp:
-        raw = await resp.read()
+    for attempt in (1, 2):
         try:
-            data: Any = json.loads(raw) if raw else None
-        except ValueError:
-            data = raw
-        return resp.status, data, resp.headers
+            async with session.request(method, url, json=body, headers=headers) as resp:
+                raw = await resp.read()
+                try:
+                    data: Any = json.loads(raw) if raw else None
+                except ValueError:
+                    data = raw
+                return resp.status, data, resp.headers
+        except aiohttp.ServerDisconnectedError:
+            if attempt == 2:
+                raise
+            # a pooled keep-alive connection to a process that was restarted meanwhile
+    raise AssertionError("unreachable")
 
 
 async def score(session: aiohttp.ClientSession, router: str, body: Any) -> dict[str, Any]:

@@ -38,6 +38,9 @@ def kv_events_handler(
             )
             return
         subscriber = stream.subscribe(request)
+        # Headers now, not with the first message: a resumed subscriber with nothing to catch
+        # up on learns at once that its view is current again.
+        await context.send_initial_metadata(())
         try:
             while True:
                 yield await subscriber.queue.get()

@@ -21,12 +21,14 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from bridge.client import SUBSCRIBE_METHOD, ResumePoint
 from proto import events_pb2
 from router.config import EventsConfig
 from router.index_view import IndexView
 from router.metrics import RouterMetrics
+from router.tokenize.ratelog import RateLimitedLog
 from router.workers import Worker
 
 log = logging.getLogger("kvroute.router.events")
@@ -70,6 +72,9 @@ class GrpcTransport:
                 ("grpc.max_receive_message_length", 512 * 1024 * 1024),
                 ("grpc.keepalive_time_ms", int(keepalive_s * 1000)),
                 ("grpc.keepalive_timeout_ms", int(timeout_s * 1000)),
+                # grpc 1.8x waits for a ping's ack this long (default 60 s), whatever the
+                # keepalive timeout says: without it a silent cut went unnoticed for a minute
+                ("grpc.http2.ping_timeout_ms", int(timeout_s * 1000)),
                 # keep pinging on a quiet stream (an idle engine sends nothing for minutes)
                 ("grpc.http2.max_pings_without_data", 0),
             ],
@@ -77,7 +82,8 @@ class GrpcTransport:
         self._subscribe = self._channel.unary_stream(
             SUBSCRIBE_METHOD,
             request_serializer=events_pb2.SubscribeRequest.SerializeToString,
-            response_deserializer=events_pb2.SubscribeResponse.FromString,
+            # decoded in open(): grpc's own decoding logs every bad message and yields None
+            response_deserializer=_raw,
         )
 
     async def open(
@@ -85,15 +91,29 @@ class GrpcTransport:
     ) -> AsyncIterator[events_pb2.SubscribeResponse | None]:
         call = self._subscribe(request)
         try:
-            await call.initial_metadata()  # headers: the bridge accepted the subscription
-            yield None
-            async for message in call:
+            await call.initial_metadata()  # headers: the bridge accepted the subscription...
+            if not call.done():  # ...unless the call already failed (a refused connection)
+                yield None
+            async for raw in call:
+                try:
+                    message = events_pb2.SubscribeResponse.FromString(raw)
+                except DecodeError as exc:
+                    raise BadMessage(f"undecodable message from the bridge: {exc}") from None
                 yield message
         finally:
             call.cancel()
 
     async def close(self) -> None:
         await self._channel.close(grace=None)
+
+
+class BadMessage(Exception):
+    """The bridge sent bytes that are not a SubscribeResponse: the stream is dropped and
+    subscribed again (resuming after the last message applied)."""
+
+
+def _raw(data: bytes) -> bytes:
+    return data
 
 
 TransportFactory = Callable[[Worker], "Transport | None"]
@@ -136,6 +156,7 @@ class EventSubscriptions:
         self._restarting: set[str] = set()
         self._started = False
         self._pending: list[Worker] = []
+        self._ratelog = RateLimitedLog(log, interval_s=10.0)
 
     # -- registry listener --------------------------------------------------------------
     def worker_added(self, worker: Worker) -> None:
@@ -256,6 +277,11 @@ class EventSubscriptions:
             status.last_error = f"{exc.code().name}: {exc.details()}"
         except (OSError, ConnectionError) as exc:
             status.last_error = str(exc)
+        except BadMessage as exc:
+            got = False  # back off: a bridge that sends garbage will likely do it again
+            status.last_error = str(exc)
+            self._metrics.event_bad_messages.labels(name).inc()
+            self._ratelog.warning(f"bad-{name}", "events %s: %s; resubscribing", name, exc)
         finally:
             await stream.aclose()  # type: ignore[attr-defined]
         return got

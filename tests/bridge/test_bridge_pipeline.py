@@ -116,9 +116,10 @@ def test_gap_recovered_by_replay(version: str) -> None:
         await rec.wait_for(lambda: len(rec.batches()) == 4)
         assert [b.sequence for b in rec.batches()] == [0, 1, 2, 3]
         assert len(rec.snapshots()) == 1  # only the initial one: no reset
-        assert engine.replay_requests == [1]
+        # (a join from 0 may come first: the bridge asks a quiet engine for its buffer)
+        assert engine.replay_requests[-1] == 1 and set(engine.replay_requests[:-1]) <= {0}
         assert metric(bridge, "kvroute_bridge_gaps_total") == 1
-        assert metric(bridge, "kvroute_bridge_replays_total", outcome="recovered") == 1
+        assert metric(bridge, "kvroute_bridge_replays_total", outcome="recovered") >= 1
         assert len(rec.view.counts) == 4
         await rec.close()
         await bridge.stop()
@@ -241,6 +242,27 @@ def test_bridge_joins_running_engine_through_replay() -> None:
         rec = Recorder(f"127.0.0.1:{bridge.grpc_port}")
         await connected(bridge)
         await engine.publish([store([6], 5, TOKENS[:16])])
+        await rec.wait_for(lambda: rec.position.sequence == 5)
+        assert engine.replay_requests == [0] and len(rec.view.counts) == 6
+        await rec.close()
+        await bridge.stop()
+        await engine.close()
+        ctx.destroy(linger=0)
+
+    run(main)
+
+
+def test_bridge_beside_a_quiet_engine_takes_its_buffer_without_a_new_batch() -> None:
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        engine = FakeEngine(ctx)
+        for i in range(5):  # published before the bridge existed; then the engine is idle
+            await engine.publish([store([i + 1], i or None, TOKENS[:16])])
+        bridge = await start_bridge(engine.endpoints())
+        rec = Recorder(f"127.0.0.1:{bridge.grpc_port}")
+        await rec.wait_for(lambda: len(rec.view.counts) == 5)
+        assert engine.replay_requests == [0] and rec.position.sequence == 4
+        await engine.publish([store([6], 5, TOKENS[:16])])  # then live, in order
         await rec.wait_for(lambda: rec.position.sequence == 5)
         assert engine.replay_requests == [0] and len(rec.view.counts) == 6
         await rec.close()

@@ -22,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench.procs import MODEL, admin_headers
 
 DONE = b"data: [DONE]"
+REFUSED = -1  # StreamResult.status when the connection was refused (request never accepted)
 
 
 @dataclass(slots=True)
@@ -102,6 +103,8 @@ async def stream(
             if buf.strip():
                 result.error = result.error or f"truncated event at end: {buf[:80]!r}"
             return result
+    except aiohttp.ClientConnectorError as exc:  # never accepted: nothing listens there
+        return StreamResult(REFUSED, error=f"{type(exc).__name__}: {exc}")
     except (aiohttp.ClientError, TimeoutError) as exc:
         return StreamResult(0, error=f"{type(exc).__name__}: {exc}")
 

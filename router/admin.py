@@ -103,7 +103,7 @@ class Admin:
             raise RouterError(TOO_LARGE, "admin request body too large")
         try:
             return msgspec.json.decode(raw)
-        except msgspec.DecodeError as exc:
+        except (msgspec.DecodeError, UnicodeDecodeError) as exc:
             raise RouterError(INVALID_JSON, f"request body is not valid JSON: {exc}") from None
 
     # -- explain --------------------------------------------------------------------------
@@ -112,7 +112,7 @@ class Admin:
         raw = await request.body()
         try:
             probe = msgspec.json.decode(raw)
-        except msgspec.DecodeError as exc:
+        except (msgspec.DecodeError, UnicodeDecodeError) as exc:
             raise RouterError(INVALID_JSON, f"request body is not valid JSON: {exc}") from None
         endpoint = request.query_params.get("endpoint") or _guess_endpoint(probe)
         req = parse_request(endpoint, raw, request.scope["headers"])

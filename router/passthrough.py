@@ -54,7 +54,7 @@ class Passthrough:
                 raise RouterError(TOO_LARGE, f"request body exceeds {self._max_body} bytes")
             try:
                 body = msgspec.json.decode(raw)
-            except msgspec.DecodeError as exc:
+            except (msgspec.DecodeError, UnicodeDecodeError) as exc:
                 raise RouterError(INVALID_JSON, f"request body is not valid JSON: {exc}") from None
             if not isinstance(body, dict):
                 raise RouterError(INVALID_JSON, "request body must be a JSON object")

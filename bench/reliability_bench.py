@@ -437,6 +437,9 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             engines,
             bridges,
             limits={"upstream_connections": 4096, "max_in_flight": 8192},
+            # the router's defaults: a burst of thousands slows the engines' /health answers
+            health={"interval_s": 1.0, "unhealthy_after": 2},
+            timeouts={"health_s": 2.0, "connect_s": 3.0},
             breaker={"open_s": 0.5, "failure_threshold": 3},
         )
         router = lb.router(config)

@@ -109,6 +109,11 @@ class TimeoutsConfig:
     read_idle_s: float = _f(600.0, "upstream silence (no byte) longer than this fails the call")
     health_s: float = _f(2.0, "timeout of one health / models / metrics probe")
     retry_after_s: int = _f(1, "Retry-After seconds sent with 503 when no worker can serve")
+    keep_alive_s: float = _f(
+        75.0,
+        "idle client connections are kept this long; above load balancers' idle timeouts "
+        "(60 s is common), so the router never closes a connection a client is reusing",
+    )
     shutdown_s: float = _f(30.0, "on shutdown, wait this long for streams to finish")
 
 

@@ -219,8 +219,9 @@ class Loopback:
             if left <= 0:
                 proc.kill()
                 raise RuntimeError(f"{proc.name} not ready in time:\n{proc.log_tail()}")
-            ready, _, _ = select.select([stream], [], [], min(left, 0.2))
-            if ready:
+            poller = select.poll()  # (select() fails on descriptors above 1024)
+            poller.register(stream, select.POLLIN)
+            if poller.poll(min(left, 0.2) * 1000):
                 line = stream.readline()
                 if line and (pattern is None or pattern.search(line)):
                     _drain(stream)

@@ -192,7 +192,7 @@ def test_router_cut_off_from_a_bridge(fleet: Fleet) -> None:
             router = fleet.lb.router(config, "router-cut")
             try:
                 # quiet streams are kept alive (pings every 0.3 s are accepted by the bridge)
-                await asyncio.sleep(3)
+                await asyncio.sleep(2)
                 ws = await workers(http, router.url)
                 assert ws[e.name]["events"]["reconnects"] == 0, ws[e.name]["events"]
                 bodies = await cache_on(http, e, shared_prefix_prompts(370, 2, 1))

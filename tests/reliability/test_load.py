@@ -35,21 +35,21 @@ def test_concurrent_streams_and_a_soak_lose_nothing() -> None:
             warm, _ = await burst(http, router.url, texts, pool, 100, 16)
             assert warm.intact == 100, warm
             rss_before = router.proc.rss_bytes()
-            first, _ = await burst(http, router.url, texts, pool, 500, 16)
+            first, _ = await burst(http, router.url, texts, pool, 400, 16)
             rss_first = router.proc.rss_bytes()
-            second, _ = await burst(http, router.url, texts, pool, 500, 16)
+            second, _ = await burst(http, router.url, texts, pool, 400, 16)
             rss_second = router.proc.rss_bytes()
             for out in (first, second):
-                assert out.intact == 500 and out.lost == 0 and out.reported == 0, out
+                assert out.intact == 400 and out.lost == 0 and out.reported == 0, out
             # memory: a second identical round does not grow the router (no per-request leak)
             assert rss_second - rss_first < 16 * 2**20, (rss_before, rss_first, rss_second)
             assert rss_second - rss_before < 64 * 2**20, (rss_before, rss_first, rss_second)
 
             soak = Outcome()
-            await sustained(http, router.url, texts, 4.0, 16, 16, 7, soak)
+            await sustained(http, router.url, texts, 3.0, 16, 16, 7, soak)
             assert soak.sent >= 100 and soak.intact == soak.sent, soak
             page = await metrics(http, router.url)
-            assert metric(page, "kvroute_requests_total", status="200") >= 1200
+            assert metric(page, "kvroute_requests_total", status="200") >= 1000
             assert metric(page, "kvroute_errors_total") == 0
             # churn: the engines evicted, and the router's view followed (removes applied)
             for b in bridges:

@@ -81,8 +81,9 @@ def _chunk(data: bytes) -> bytes:
 
 
 class _Conn(asyncio.Protocol):
-    def __init__(self, bodies: dict[str, bytes]) -> None:
+    def __init__(self, bodies: dict[str, bytes], pace_s: float = 0.0) -> None:
         self.bodies = bodies
+        self.pace_s = pace_s
         self.parser = httptools.HttpRequestParser(self)
         self.transport: Any = None
         self.url = b""
@@ -108,9 +109,37 @@ class _Conn(asyncio.Protocol):
         url, body = self.url, b"".join(self.body)
         self.url, self.body = b"", []
         assert self.transport is not None
+        if self.pace_s > 0 and _is_stream(url, body):
+            self._paced(body)
+            return
         self.transport.write(self._respond(url, body))
         if not self.parser.should_keep_alive():
             self.transport.close()
+
+    def _paced(self, body: bytes) -> None:
+        """Stream events one per `pace_s` (a decode step): the first at once."""
+        b = self.bodies
+        events = [e + b"\n\n" for e in b["stream"].split(b"\n\n") if e]
+        if b'"include_usage":true' in body or b'"include_usage": true' in body:
+            events.append(b["usage"])
+        events.append(b["done"])
+        chunks = [_chunk(e) for e in events]
+        chunks[-1] += b"0\r\n\r\n"
+        head = (
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+            b"transfer-encoding: chunked\r\n\r\n"
+        )
+        loop = asyncio.get_running_loop()
+        transport = self.transport
+
+        def send(i: int) -> None:
+            if transport.is_closing():
+                return
+            transport.write((head if i == 0 else b"") + chunks[i])
+            if i + 1 < len(chunks):
+                loop.call_later(self.pace_s, send, i + 1)
+
+        send(0)
 
     def _respond(self, url: bytes, body: bytes) -> bytes:
         b = self.bodies
@@ -136,6 +165,11 @@ class _Conn(asyncio.Protocol):
         return b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n"
 
 
+def _is_stream(url: bytes, body: bytes) -> bool:
+    generation = url.startswith(b"/v1/chat/completions") or url.startswith(b"/v1/completions")
+    return generation and (b'"stream":true' in body or b'"stream": true' in body)
+
+
 def _full(body: bytes, ctype: bytes) -> bytes:
     return (
         b"HTTP/1.1 200 OK\r\ncontent-type: " + ctype + b"\r\ncontent-length: "
@@ -143,10 +177,10 @@ def _full(body: bytes, ctype: bytes) -> bytes:
     )  # fmt: skip
 
 
-async def serve(host: str, port: int, chunks: int) -> None:
+async def serve(host: str, port: int, chunks: int, pace_s: float = 0.0) -> None:
     loop = asyncio.get_running_loop()
     bodies = make_bodies(chunks)
-    server = await loop.create_server(lambda: _Conn(bodies), host, port, backlog=4096)
+    server = await loop.create_server(lambda: _Conn(bodies, pace_s), host, port, backlog=4096)
     sock_port = server.sockets[0].getsockname()[1]
     print(f"PORT {sock_port}", flush=True)
     async with server:
@@ -158,16 +192,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--chunks", type=int, default=16, help="SSE content events per stream")
+    p.add_argument("--pace-ms", type=float, default=0.0, help="gap between streamed events")
     args = p.parse_args(argv)
-    uvloop.run(serve(args.host, args.port, args.chunks))
+    uvloop.run(serve(args.host, args.port, args.chunks, args.pace_ms / 1000))
     return 0
 
 
 @contextlib.contextmanager
-def running_engine(chunks: int = 16) -> Iterator[str]:
+def running_engine(chunks: int = 16, pace_ms: float = 0.0) -> Iterator[str]:
     """Start an instant engine in its own process (own session); yields its base URL."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "bench.instant_engine", "--chunks", str(chunks)],
+        [
+            sys.executable,
+            "-m",
+            "bench.instant_engine",
+            "--chunks",
+            str(chunks),
+            "--pace-ms",
+            str(pace_ms),
+        ],
         stdout=subprocess.PIPE,
         text=True,
         start_new_session=True,

@@ -34,7 +34,7 @@ from typing import Any
 import aiohttp
 import yaml
 
-from bench.procs import Engine, Loopback, Router
+from bench.loopback import Engine, Loopback, Router
 from bench.traffic import (
     StreamResult,
     completion_body,

@@ -29,7 +29,7 @@ from typing import Any
 
 import aiohttp
 
-from bench.procs import Loopback, Router
+from bench.loopback import Loopback, Router
 from bench.traffic import completion_body, metric, metrics, post_json, predictions, score, workers
 
 RESULTS = Path(__file__).resolve().parent / "results"

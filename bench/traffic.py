@@ -19,7 +19,7 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.procs import MODEL, admin_headers
+from bench.loopback import MODEL, admin_headers
 
 DONE = b"data: [DONE]"
 REFUSED = -1  # StreamResult.status when the connection was refused (request never accepted)

@@ -148,18 +148,25 @@ def _convert_stored(ev: DecodedStored, out: Any, stats: ConvertStats) -> None:
     start = len(out)
     try:
         if cut >= count:
-            out.add(
-                operation=STORE,
-                group_id=group,
-                block_hashes=hashes,
-                parent_block_hash=parent,
-                token_ids=tokens,
-                block_size=block_size,
-                kind=kind,
-                sliding_window=window,
-                lora_name=lora,
-                cache_salt=salt,
-            )
+            # The common case, field by field: setting only non-default fields is cheaper
+            # than keyword construction.
+            event = out.add()
+            event.operation = STORE
+            if group:
+                event.group_id = group
+            event.block_hashes.extend(hashes)
+            if parent:
+                event.parent_block_hash = parent
+            event.token_ids.extend(tokens)
+            event.block_size = block_size
+            if kind:
+                event.kind = kind
+            if window:
+                event.sliding_window = window
+            if lora:
+                event.lora_name = lora
+            if salt:
+                event.cache_salt = salt
         elif cut > 0 and len(tokens) == count * block_size:
             stats.split += 1
             stats.unmatchable += 1

@@ -34,7 +34,6 @@ from bridge.vllm_schema import (
     MalformedPayload,
     parse_live,
     parse_replay_reply,
-    parse_seq,
     replay_request_frames,
 )
 
@@ -66,6 +65,7 @@ class RateLimitedLog:
         self._suppressed: dict[str, int] = {}
 
     def warning(self, key: str, message: str, *args: Any) -> None:
+        """Log `message % args` unless `key` was logged less than `interval` seconds ago."""
         now = time.monotonic()
         last = self._last.get(key)
         if last is not None and now - last < self._interval:
@@ -106,11 +106,12 @@ class EngineFollower:
         self._joined = False  # False: the next message starts a (re)join
         self._reconnected = False
         self.connected = False  # the PUB socket's handshake succeeded and holds
-        self._unknown_seen = 0
+        self._unknown_seen = 0  # the decoder's unknown_field_batches already counted
 
     # -- socket lifecycle -----------------------------------------------------------------
 
     async def run(self) -> None:
+        """Subscribe to the engine and apply its messages until cancelled."""
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.RCVHWM, self._sub_hwm)
         sub.setsockopt(zmq.LINGER, 0)
@@ -294,22 +295,15 @@ class EngineFollower:
     # -- applying -------------------------------------------------------------------------
 
     def _apply(self, seq: int, payload: bytes) -> None:
+        """Decode, convert and apply one batch; a batch that cannot be used resets the view
+        (which then reflects `seq`)."""
         try:
             decoded = self._decoder.decode(payload)
         except MalformedPayload as exc:
             self._malformed("payload", exc)
             self._reset("malformed", seq)
-            self._last = seq
             return
-        if self._decoder.unknown_field_batches != self._unknown_seen:
-            self._unknown_seen = self._decoder.unknown_field_batches
-            self._metrics.unknown_fields.labels(self._label).inc()
-            self._log.warning(
-                "unknown-fields",
-                "rank %s: ignoring unknown fields %s",
-                self._label,
-                sorted(self._decoder.unknown_field_names),
-            )
+        self._note_unknown_fields()
         stats = self._stats
         filtered, invalid, blocks = stats.filtered, stats.invalid, stats.stored_blocks
         try:
@@ -317,7 +311,6 @@ class EngineFollower:
         except Exception as exc:  # a converter bug must not stop the stream: reset instead
             self._malformed("convert", exc)
             self._reset("malformed", seq)
-            self._last = seq
             return
         m, label = self._metrics, self._label
         if stats.filtered != filtered:
@@ -331,7 +324,23 @@ class EngineFollower:
         self.stream.apply(batch)
         self._last = seq
 
+    def _note_unknown_fields(self) -> None:
+        """Count (and log, rate-limited) a batch the decoder found fields in that it does not
+        know."""
+        seen = self._decoder.unknown_field_batches
+        if seen == self._unknown_seen:
+            return
+        self._unknown_seen = seen
+        self._metrics.unknown_fields.labels(self._label).inc()
+        self._log.warning(
+            "unknown-fields",
+            "rank %s: ignoring unknown fields %s",
+            self._label,
+            sorted(self._decoder.unknown_field_names),
+        )
+
     def _reset(self, reason: str, sequence: int | None) -> None:
+        """Reset the rank's view to `sequence` (None: unknown, the next message rejoins)."""
         self.stream.reset(reason, sequence)
         self._last = sequence
         if sequence is None:
@@ -342,11 +351,3 @@ class EngineFollower:
         self._log.warning(
             f"malformed-{problem}", "rank %s: malformed message (%s): %s", self._label, problem, exc
         )
-
-
-def seq_of(frames: Sequence[bytes]) -> int | None:
-    """The seq of a 3-frame message, if its seq frame is valid (for diagnostics)."""
-    try:
-        return parse_seq(frames[1]) if len(frames) == 3 else None
-    except MalformedFrame:
-        return None

@@ -35,16 +35,19 @@ class Feed:
         return True
 
     def apply_snapshot(self, snapshot: events_pb2.Snapshot) -> None:
+        """Replace the view with the snapshot's contents and take its sequence."""
         self.snapshots += 1
         self.lineage.discard(counted=False)
-        self.lineage.apply_batch(snapshot.events)
+        self.lineage.apply_batch(snapshot.events, lineage=snapshot.lineage)
         self.last_sequence = snapshot.sequence if snapshot.has_sequence else None
 
     def invalidate(self) -> None:
+        """Forget the view and the sequence (the stream was lost)."""
         self.lineage.discard()
         self.last_sequence = None
 
     def stats(self) -> WorkerStats:
+        """The view's counters and sizes."""
         lin = self.lineage
         layout = lin.layout()
         return WorkerStats(

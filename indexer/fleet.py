@@ -6,14 +6,14 @@ import dataclasses
 import heapq
 from collections.abc import Container, Iterator, Sequence
 from dataclasses import dataclass
-from itertools import compress
+from itertools import compress, repeat
 
 from indexer.feed import Feed
 from indexer.fleet_score import score_fast
 from indexer.group_cache import explain_layout
 from indexer.inverted import InvertedIndex, WorkerPresence, WorkerSink
 from indexer.keys import Namespace, content_keys
-from indexer.layout import Layout, Rule
+from indexer.layout import Layout, Rule, check_alignment
 from indexer.lineage import Lineage
 from indexer.plan import Plan, build_plan
 from indexer.results import WorkerScore, WorkerStats
@@ -64,7 +64,8 @@ class FleetIndex:
         self._names: list[str | None] = []  # by worker index
         self._free: list[int] = []  # reusable indexes (a heap: keep bitsets short)
         self._plan: Plan | None = None
-        self._spec = Expectations(max_expectations_per_worker, max_expected_keys)
+        self._unscored: dict[str, int | None] = {}  # each worker's answer before any hit
+        self._expectations = Expectations(max_expectations_per_worker, max_expected_keys)
 
     # -- workers and events -----------------------------------------------------------------
 
@@ -84,31 +85,32 @@ class FleetIndex:
             self._plan = None
         return w
 
-    def _after(self, w: _Worker) -> None:
+    def _view_changed(self, w: _Worker) -> None:
+        """Replan if the worker's layout changed; drop expectations its events confirm."""
         version = w.lineage.layout_version
         if version != w.seen_version:
             w.seen_version = version
             self._plan = None
-        self._spec.confirm(w.index, w.sink.holds)
+        self._expectations.confirm(w.index, w.sink.holds)
 
     def apply(self, worker_id: str, batch: events_pb2.KvEventBatch) -> None:
         """Apply one of the worker's batches (sequence order: stale ignored, a gap
         discards the view and then applies the batch)."""
         w = self._worker(worker_id)
         w.feed.apply(batch)
-        self._after(w)
+        self._view_changed(w)
 
     def apply_snapshot(self, worker_id: str, snapshot: events_pb2.Snapshot) -> None:
         """Replace the worker's view with a snapshot."""
         w = self._worker(worker_id)
         w.feed.apply_snapshot(snapshot)
-        self._after(w)
+        self._view_changed(w)
 
     def invalidate(self, worker_id: str) -> None:
         """The worker's stream was lost: no score (None) until new evidence."""
         w = self._worker(worker_id)
         w.feed.invalidate()
-        self._after(w)
+        self._view_changed(w)
 
     def remove_worker(self, worker_id: str) -> None:
         """Forget a worker entirely."""
@@ -116,7 +118,7 @@ class FleetIndex:
         if w is None:
             return
         w.lineage.discard()
-        self._spec.remove_worker(w.index)
+        self._expectations.remove_worker(w.index)
         self._names[w.index] = None
         heapq.heappush(self._free, w.index)
         self._plan = None
@@ -124,22 +126,24 @@ class FleetIndex:
     def set_alignment(self, worker_id: str, alignment: int | None) -> None:
         """Override the worker's inferred hit alignment (vLLM's scheduler block size or
         hash unit, for layouts the events cannot reveal); None infers it again."""
-        if alignment is not None and (alignment <= 0 or alignment % self.hash_unit):
-            raise ValueError("alignment must be a positive multiple of the hash unit")
+        check_alignment(alignment, self.hash_unit)
         w = self._worker(worker_id)
         w.lineage.set_alignment(alignment)
-        self._after(w)
+        self._view_changed(w)
 
     def workers(self) -> list[str]:
+        """Ids of the workers the index knows, in the order they were first seen."""
         return list(self._workers)
 
     def stats(self, worker_id: str) -> WorkerStats:
+        """The worker's counters and sizes; KeyError for an unknown worker."""
         w = self._workers.get(worker_id)
         if w is None:
             raise KeyError(worker_id)
-        return dataclasses.replace(w.feed.stats(), expectations=self._spec.count(w.index))
+        return dataclasses.replace(w.feed.stats(), expectations=self._expectations.count(w.index))
 
     def layout(self, worker_id: str) -> Layout:
+        """The worker's cache layout as learned from its events."""
         return self._workers[worker_id].lineage.layout()
 
     # -- speculative entries ---------------------------------------------------------------
@@ -157,11 +161,11 @@ class FleetIndex:
         layout = w.lineage.layout()
         alignment = layout.alignment if layout.usable else self.hash_unit
         keys = content_keys(token_ids, namespace, self.hash_unit)
-        self._spec.add(w.index, keys, len(token_ids), alignment, self.hash_unit, expires_at)
+        self._expectations.add(w.index, keys, len(token_ids), alignment, self.hash_unit, expires_at)
 
     def expire(self, now: float) -> None:
         """Drop expectations with expires_at <= now."""
-        self._spec.expire(now)
+        self._expectations.expire(now)
 
     def _credit(self, keys: Sequence[int], n_tokens: int) -> dict[int, int]:
         def rule_of(index: int) -> tuple[bool, int]:
@@ -172,13 +176,19 @@ class FleetIndex:
                 return False, self.hash_unit
             return all(u.rule is Rule.FULL for u in layout.units), layout.alignment
 
-        return self._spec.credit(keys, n_tokens - 1, self.hash_unit, rule_of)
+        return self._expectations.credit(keys, n_tokens - 1, self.hash_unit, rule_of)
 
     # -- scoring ---------------------------------------------------------------------------
 
     def _current_plan(self) -> Plan:
         if self._plan is None:
-            self._plan = build_plan({w.index: w.lineage.layout() for w in self._workers.values()})
+            plan = build_plan({w.index: w.lineage.layout() for w in self._workers.values()})
+            # the answer before any hit: 0 for usable workers, None for the others
+            self._unscored = {
+                name: (0 if plan.usable >> w.index & 1 else None)
+                for name, w in self._workers.items()
+            }
+            self._plan = plan
         return self._plan
 
     def _select(self, bits: int) -> Iterator[str]:
@@ -200,15 +210,9 @@ class FleetIndex:
     def score_keys(self, keys: Sequence[int], n_tokens: int) -> dict[str, int | None]:
         """`score` from `content_keys` the caller already computed."""
         plan = self._current_plan()
-        result: dict[str, int | None] = dict.fromkeys(self._workers, 0)
-        every = 0
-        for w in self._workers.values():
-            every |= 1 << w.index
-        unusable = every & ~plan.usable
-        if unusable:
-            result.update(dict.fromkeys(self._select(unusable), None))
+        result = self._unscored.copy()
         for tokens, bits in score_fast(plan, self._inv.slots, keys, n_tokens, self.hash_unit):
-            result.update(dict.fromkeys(self._select(bits), tokens))
+            result.update(zip(self._select(bits), repeat(tokens)))
         for index in plan.fallback:
             name = self._names[index]
             assert name is not None
@@ -216,7 +220,7 @@ class FleetIndex:
             result[name] = explain_layout(
                 w.lineage.layout(), self._presence(w), keys, n_tokens, self.hash_unit
             ).reusable_tokens
-        if self._spec.active:
+        if self._expectations.active:
             for index, credit in self._credit(keys, n_tokens).items():
                 name = self._names[index]
                 assert name is not None
@@ -234,7 +238,8 @@ class FleetIndex:
         return self.explain_keys(keys, len(token_ids))
 
     def explain_keys(self, keys: Sequence[int], n_tokens: int) -> dict[str, WorkerScore]:
-        credit = self._credit(keys, n_tokens) if self._spec.active else {}
+        """`explain` from `content_keys` the caller already computed."""
+        credit = self._credit(keys, n_tokens) if self._expectations.active else {}
         out: dict[str, WorkerScore] = {}
         for name, w in self._workers.items():
             ws = explain_layout(

@@ -15,22 +15,41 @@ together (`rules.longest_hit` is the per-worker form):
    at each, one AND per class (a window: one per block of the window, stopping early)
    narrows the workers that accept it, and they are answered.
 
-The work is proportional to the prompt (keys looked up once per slot) plus the number
-of distinct answers, not to prompt x workers.
+Lookups and the running AND of step 1 run inside C builtins (`map`,
+`accumulate`, `compress`) in chunks that stop once nobody is covered. The work is
+proportional to the prompt plus the number of distinct answers, not to prompt x
+workers.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from itertools import compress
+from itertools import accumulate, compress, islice, repeat
+from operator import and_, ne
 
-from indexer.inverted import decode
 from indexer.layout import Rule
 from indexer.plan import FullWalk, Plan, SparseClass
 
+_FIRST_CHUNK = 16  # blocks looked up at once in the coverage walk (doubling)
+_MAX_CHUNK = 256  # a chunk where workers drop out is walked element by element
+
+
+def lookup(
+    slots: list[dict[int, int]], unit_slots: tuple[int, ...], keys: Sequence[int]
+) -> list[int]:
+    """Bitsets of the workers holding each key in every one of `unit_slots`."""
+    out = list(map(slots[unit_slots[0]].get, keys, repeat(0)))
+    for s in unit_slots[1:]:
+        out = list(map(and_, out, map(slots[s].get, keys, repeat(0))))
+    return out
+
 
 def coverage(
-    walk: FullWalk, slots: list[dict[int, int]], keys: Sequence[int], m: int, unit: int
+    walk: FullWalk,
+    slots: list[dict[int, int]],
+    keys: Sequence[int],
+    m: int,
+    unit: int,
 ) -> list[tuple[int, int]]:
     """(coverage in tokens, workers) for the walk's workers, coverage ascending. Coverage
     counts whole blocks from token 0 that end at or before position m * unit."""
@@ -39,33 +58,26 @@ def coverage(
     alive = walk.mask
     events: list[tuple[int, int]] = []
     covered = 0
-    i = step - 1
-    if len(walk.slots) == 1:
-        get = slots[walk.slots[0]].get
-        while alive and i < m:
-            v = get(keys[i])
-            if v is None:
-                nxt = 0
-            elif v < 0:
-                nxt = alive & (1 << ~v)
-            else:
-                nxt = alive & v
-            if nxt != alive:
-                events.append((covered, alive ^ nxt))
-                alive = nxt
-            covered += block
-            i += step
-    else:
-        gets = [slots[s].get for s in walk.slots]
-        while alive and i < m:
-            nxt = alive
-            for get in gets:
-                nxt &= decode(get(keys[i]))
-            if nxt != alive:
-                events.append((covered, alive ^ nxt))
-                alive = nxt
-            covered += block
-            i += step
+    pos = step - 1
+    chunk = _FIRST_CHUNK
+    get = slots[walk.slots[0]].get
+    while alive and pos < m:
+        chunk_keys = keys[pos:m:step][:chunk]
+        n = len(chunk_keys)
+        # most chunks lose nobody: the few distinct (interned) holder sets tell
+        survivors = alive
+        if len(walk.slots) == 1:
+            for holders in set(map(get, chunk_keys, repeat(0))):
+                survivors &= holders
+        if len(walk.slots) > 1 or survivors != alive:
+            bits = lookup(slots, walk.slots, chunk_keys)
+            acc = list(accumulate(bits, and_, initial=alive))
+            for i in compress(range(n), map(ne, acc, islice(acc, 1, None))):
+                events.append((covered + i * block, acc[i] ^ acc[i + 1]))
+            alive = acc[-1]
+        covered += n * block
+        pos += n * step
+        chunk = min(chunk * 2, _MAX_CHUNK)
     if alive:
         events.append((covered, alive))
     return events
@@ -98,15 +110,19 @@ def min_coverage(
     return out
 
 
-def _bits(slots: list[dict[int, int]], walk_slots: tuple[int, ...], key: int) -> int:
+def _bits(slots: list[dict[int, int]], unit_slots: tuple[int, ...], key: int) -> int:
     bits = -1
-    for s in walk_slots:
-        bits &= decode(slots[s].get(key))
-    return bits if bits != -1 else 0
+    for s in unit_slots:
+        bits &= slots[s].get(key, 0)
+    return bits
 
 
 def full_bounds(
-    plan: Plan, slots: list[dict[int, int]], keys: Sequence[int], cap: int, unit: int
+    plan: Plan,
+    slots: list[dict[int, int]],
+    keys: Sequence[int],
+    cap: int,
+    unit: int,
 ) -> list[tuple[int, int]]:
     """Each fast worker's full-attention bound F (aligned), as (F, workers)."""
     m = min(len(keys), cap // unit)
@@ -132,56 +148,94 @@ def full_bounds(
         for walk, walk_events in zip(plan.walks, per_walk, strict=True):
             for alignment, mask in walk.fine.items():
                 for covered, workers in walk_events:
-                    rest = workers & mask
-                    if not rest:
-                        continue
-                    # a partial entry inside the first uncovered block, highest first
-                    top = min(covered + walk.block_size - alignment, cap - cap % alignment)
-                    for p in range(top, covered, -alignment):
-                        hit = rest & _bits(slots, walk.slots, keys[p // unit - 1])
-                        if hit:
-                            out.append((p, hit))
-                            rest ^= hit
-                            if not rest:
-                                break
-                    if rest:
-                        out.append((covered, rest))
+                    if workers & mask:
+                        out += _partial_extension(
+                            walk, slots, keys, cap, unit, alignment, covered, workers & mask
+                        )
     if plan.nofull_mask:
         out.append((cap, plan.nofull_mask))
     return out
 
 
-def _accept(
-    cls: SparseClass,
-    vals: dict[int, list[int | None]],
-    i: int,
-    p: int,
-    workers: int,
+def _partial_extension(
+    walk: FullWalk,
+    slots: list[dict[int, int]],
+    keys: Sequence[int],
+    cap: int,
     unit: int,
+    alignment: int,
+    covered: int,
+    workers: int,
+) -> list[tuple[int, int]]:
+    """Fine-grained mode: (bound, workers) for `workers`, whose coverage ends at `covered`,
+    each extended by the highest partial entry inside the first uncovered block."""
+    out: list[tuple[int, int]] = []
+    top = min(covered + walk.block_size - alignment, cap - cap % alignment)
+    for p in range(top, covered, -alignment):
+        hit = workers & _bits(slots, walk.slots, keys[p // unit - 1])
+        if hit:
+            out.append((p, hit))
+            workers ^= hit
+            if not workers:
+                return out
+    out.append((covered, workers))
+    return out
+
+
+class _LazyBits:
+    """Holders per key index of one unit, looked up on first use (for windows, when the
+    candidates come from Mamba states and only a few windows are ever checked)."""
+
+    __slots__ = ("_cache", "_keys", "_slots", "_unit_slots")
+
+    def __init__(
+        self, slots: list[dict[int, int]], unit_slots: tuple[int, ...], keys: Sequence[int]
+    ) -> None:
+        self._slots = slots
+        self._unit_slots = unit_slots
+        self._keys = keys
+        self._cache: dict[int, int] = {}
+
+    def __getitem__(self, i: int) -> int:
+        bits = self._cache.get(i)
+        if bits is None:
+            bits = _bits(self._slots, self._unit_slots, self._keys[i])
+            self._cache[i] = bits
+        return bits
+
+
+def _accept(
+    cls: SparseClass, bits: list[int] | _LazyBits, i: int, p: int, workers: int, unit: int
 ) -> int:
-    """The workers of `cls` (among `workers`) whose unit accepts position p = (i+1)*unit."""
+    """The workers of `cls` (among `workers`) whose unit accepts p = (i+1)*unit; `bits`
+    are the unit's holders per key index."""
     block = cls.block_size
     if cls.rule is Rule.STATE:
         if not cls.fine and p % block:
             return 0
-        for s in cls.slots:
-            workers &= decode(vals[s][i])
-        return workers
+        return workers & bits[i]
     if p % block:
         return 0
     step = block // unit
-    j = i
-    for _ in range(min(cls.need, p // block)):
-        for s in cls.slots:
-            workers &= decode(vals[s][j])
+    need = min(cls.need, p // block)
+    # the blocks at both ends of the window first: inside a run that does not reach
+    # back far enough, the far end fails at once
+    workers &= bits[i] & bits[i - (need - 1) * step]
+    j = i - step
+    for _ in range(need - 2):
         if not workers:
             return 0
+        workers &= bits[j]
         j -= step
     return workers
 
 
 def score_fast(
-    plan: Plan, slots: list[dict[int, int]], keys: Sequence[int], n_tokens: int, unit: int
+    plan: Plan,
+    slots: list[dict[int, int]],
+    keys: Sequence[int],
+    n_tokens: int,
+    unit: int,
 ) -> list[tuple[int, int]]:
     """(reusable tokens, workers) for the plan's bitset-path workers; workers not listed
     reuse 0."""
@@ -197,19 +251,31 @@ def score_fast(
     if not pending_events or pending_events[0][0] <= 0:
         return answers
     top = min(len(keys), pending_events[0][0] // unit)
-    used = sorted({s for cls in plan.sparse for s in cls.slots})
-    vals: dict[int, list[int | None]] = {}
-    positions: set[int] = set()
     window = keys[:top]
-    for s in used:
-        vals[s] = list(map(slots[s].get, window))
-        positions.update(compress(range(top), vals[s]))
+    # Candidates: positions where a unit holds the request's key. When every sparse
+    # worker has a Mamba unit, its states alone are the candidates and windows are
+    # looked up lazily.
+    state_mask = 0
+    for cls in plan.sparse:
+        if cls.rule is Rule.STATE:
+            state_mask |= cls.mask
+    states_only = sparse & ~state_mask == 0
+    unit_bits: list[list[int] | _LazyBits] = []
+    positions: set[int] = set()
+    for cls in plan.sparse:
+        if states_only and cls.rule is Rule.WINDOW:
+            unit_bits.append(_LazyBits(slots, cls.slots, keys))
+            continue
+        bits = lookup(slots, cls.slots, window)
+        unit_bits.append(bits)
+        positions.update(compress(range(top), bits))
     pending = 0
     for _, w in pending_events:
         pending |= w
     active = 0
     ptr = 0
     n_events = len(pending_events)
+    classes = list(zip(plan.sparse, unit_bits, strict=True))
     for i in sorted(positions, reverse=True):
         p = (i + 1) * unit
         while ptr < n_events and pending_events[ptr][0] >= p:
@@ -223,12 +289,12 @@ def score_fast(
             if p % alignment == 0:
                 aligned |= mask
         x &= aligned
-        for cls in plan.sparse:
+        for cls, holders in classes:
             if not x:
                 break
             mine = x & cls.mask
             if mine:
-                accepted = _accept(cls, vals, i, p, mine, unit)
+                accepted = _accept(cls, holders, i, p, mine, unit)
                 if accepted != mine:
                     x = (x & cls.notmask) | accepted
         if x:

@@ -1,10 +1,11 @@
 """The fleet's inverted index: content key -> which workers hold it, per group slot.
 
 One dict per group slot maps a content key to the workers whose group in that slot
-holds it, as an integer bitset (bit i = worker index i). A key held by a single worker
-(the common case for conversation tails) stores that worker's tag, `~index`, instead:
-one shared int object per worker, so a unique block costs no bitset allocation. Copies
-beyond the first are counted on the side, per worker.
+holds it, as an integer bitset (bit i = worker index i). Bitsets are interned: every
+key held by the same set of workers refers to one shared int object (a worker's own
+`1 << index` for a single holder), so a block costs a dict entry and no bitset of its
+own, and scoring reads a few hot objects instead of one per key. Copies beyond the
+first are counted on the side, per worker.
 """
 
 from __future__ import annotations
@@ -12,51 +13,62 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 
-def decode(value: int | None) -> int:
-    """A stored value as a bitset (0 when absent)."""
-    if value is None:
-        return 0
-    return value if value >= 0 else 1 << ~value
-
-
 class InvertedIndex:
-    """Per-slot dicts shared by all workers, and the workers' tags."""
+    """Per-slot dicts shared by all workers, and the shared bitset objects."""
 
-    __slots__ = ("slots", "tags")
+    __slots__ = ("_interned", "_uses", "bits", "slots")
 
     def __init__(self) -> None:
         self.slots: list[dict[int, int]] = []
-        self.tags: list[int] = []
+        self.bits: list[int] = []  # 1 << index, one object per worker index
+        self._interned: dict[int, int] = {}  # multi-holder bitset -> its shared object
+        self._uses: dict[int, int] = {}  # multi-holder bitset -> entries referring to it
 
     def ensure_slot(self, slot: int) -> None:
+        """Create the per-slot dicts up to `slot`."""
         while len(self.slots) <= slot:
             self.slots.append({})
 
-    def tag(self, index: int) -> int:
-        while len(self.tags) <= index:
-            self.tags.append(~len(self.tags))
-        return self.tags[index]
+    def bit(self, index: int) -> int:
+        """The shared `1 << index` object of a worker index."""
+        while len(self.bits) <= index:
+            self.bits.append(1 << len(self.bits))
+        return self.bits[index]
+
+    def swap(self, old: int, new: int) -> int:
+        """An entry's holders change from `old` to `new` (0: none): keep the use counts
+        of shared bitsets and return the shared object for `new`."""
+        if old & (old - 1):
+            n = self._uses[old] - 1
+            if n:
+                self._uses[old] = n
+            else:
+                del self._uses[old]
+                del self._interned[old]
+        if not new & (new - 1):
+            return self.bits[new.bit_length() - 1] if new else 0
+        self._uses[new] = self._uses.get(new, 0) + 1
+        return self._interned.setdefault(new, new)
+
+    def shared_bitsets(self) -> int:
+        """Distinct multi-holder bitsets in use."""
+        return len(self._interned)
 
     def holds(self, index: int, slot: int, key: int) -> bool:
         """Whether worker `index` holds `key` in `slot`."""
         if slot >= len(self.slots):
             return False
-        v = self.slots[slot].get(key)
-        if v is None:
-            return False
-        return v == ~index if v < 0 else bool(v >> index & 1)
+        return bool(self.slots[slot].get(key, 0) >> index & 1)
 
 
 class WorkerSink:
     """`PresenceSink` of one worker in the fleet's inverted index."""
 
-    __slots__ = ("_bit", "_extra", "_index", "_inv", "_present", "_tag")
+    __slots__ = ("_bit", "_extra", "_inv", "_present")
 
     def __init__(self, inv: InvertedIndex, index: int) -> None:
         self._inv = inv
-        self._index = index
-        self._bit = 1 << index
-        self._tag = inv.tag(index)
+        self._bit = inv.bit(index)
         self._extra: dict[tuple[int, int], int] = {}  # (slot, key) -> copies, when >= 2
         self._present: list[int] = []  # per slot: keys held
 
@@ -69,33 +81,25 @@ class WorkerSink:
         d = self._inv.slots[slot]
         v = d.get(key)
         if v is None:
-            d[key] = self._tag
-        elif v == self._tag or (v >= 0 and v & self._bit):
+            d[key] = self._bit
+        elif v & self._bit:
             self._extra[slot, key] = self._extra.get((slot, key), 1) + 1
             return
-        elif v < 0:
-            d[key] = (1 << ~v) | self._bit
         else:
-            d[key] = v | self._bit
+            d[key] = self._inv.swap(v, v | self._bit)
         self._present[slot] += 1
 
-    def _mine(self, v: int | None) -> bool:
-        if v is None:
-            return False
-        return v == self._tag if v < 0 else bool(v & self._bit)
-
     def _unset(self, d: dict[int, int], key: int, v: int) -> None:
-        if v < 0:
+        rest = self._inv.swap(v, v ^ self._bit)
+        if rest:
+            d[key] = rest
+        else:
             del d[key]
-            return
-        v ^= self._bit
-        # back to a single holder: store its shared tag
-        d[key] = self._inv.tags[v.bit_length() - 1] if v & (v - 1) == 0 else v
 
     def discard(self, slot: int, key: int) -> bool:
         d = self._inv.slots[slot]
-        v = d.get(key)
-        if v is None or not self._mine(v):
+        v = d.get(key, 0)
+        if not v & self._bit:
             return False
         n = self._extra.get((slot, key))
         if n is not None:
@@ -110,14 +114,15 @@ class WorkerSink:
 
     def holds(self, key: int) -> bool:
         slots = self._inv.slots
-        return any(self._mine(slots[s].get(key)) for s in range(len(self._present)))
+        bit = self._bit
+        return any(slots[s].get(key, 0) & bit for s in range(len(self._present)))
 
     def drop(self, key: int) -> None:
         slots = self._inv.slots
         for s in range(len(self._present)):
             d = slots[s]
-            v = d.get(key)
-            if v is not None and self._mine(v):
+            v = d.get(key, 0)
+            if v & self._bit:
                 self._extra.pop((s, key), None)
                 self._unset(d, key, v)
                 self._present[s] -= 1
@@ -135,16 +140,12 @@ class WorkerSink:
 class WorkerPresence:
     """`in` test for one worker's slot, for the per-worker rules."""
 
-    __slots__ = ("_d", "_index", "_tag")
+    __slots__ = ("_d", "_index")
 
     def __init__(self, inv: InvertedIndex, index: int, slot: int) -> None:
         inv.ensure_slot(slot)
         self._d = inv.slots[slot]
         self._index = index
-        self._tag = ~index
 
     def __contains__(self, key: object) -> bool:
-        v = self._d.get(key)  # type: ignore[call-overload]
-        if v is None:
-            return False
-        return bool(v == self._tag if v < 0 else v >> self._index & 1)
+        return bool(self._d.get(key, 0) >> self._index & 1)  # type: ignore[call-overload]

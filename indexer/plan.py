@@ -37,10 +37,7 @@ class SparseClass:
     need: int  # sliding window: blocks ending at the hit
     fine: bool  # Mamba: any aligned position, not only block ends
     mask: int = 0
-
-    @property
-    def notmask(self) -> int:
-        return ~self.mask
+    notmask: int = -1
 
 
 @dataclass(slots=True)
@@ -103,12 +100,14 @@ def build_plan(layouts: dict[int, Layout]) -> Plan:
                 key, SparseClass(unit.rule, unit.slots, unit.block_size, need, fine)
             )
             cls.mask |= bit
+            cls.notmask = ~cls.mask
             plan.sparse_mask |= bit
         if n_full == 0:
             plan.nofull_mask |= bit
         elif n_full > 1:
             plan.overlap = True
     plan.walks = list(walks.values())
-    plan.sparse = list(sparse.values())
+    # cheap classes first: a Mamba state is one AND, a window one per block
+    plan.sparse = sorted(sparse.values(), key=lambda c: (c.rule is Rule.WINDOW, c.need))
     plan.alignments = sorted(alignments.items())
     return plan

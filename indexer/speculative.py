@@ -114,6 +114,12 @@ class Expectations:
             self._inc(self._boundary, self._boundary_counts, boundary_key, index)
         self._keys += len(unit_keys)
         heapq.heappush(self._heap, (expires_at, exp_id, index))
+        self._enforce_bounds(index)
+
+    def _enforce_bounds(self, index: int) -> None:
+        """Beyond a bound, drop the expectations that expire first: the worker's own for its
+        count, anyone's for the total of keys."""
+        mine = self._by_worker[index]
         while len(mine) > self._max_per_worker:
             self._remove(index, min(mine, key=lambda i: mine[i].expires_at))
             self.dropped += 1
@@ -146,6 +152,7 @@ class Expectations:
                 self.expired += 1
 
     def remove_worker(self, index: int) -> None:
+        """Drop every expectation of a worker (it left the fleet)."""
         for exp_id in list(self._by_worker.get(index, {})):
             self._remove(index, exp_id)
 

@@ -126,7 +126,9 @@ class Admin:
         eligible = routing.eligible(route)
         key = session_key(req.header_map, req.body, routing.cfg)
         decision = routing.policy.decide(
-            eligible, RouteInput(prompt.n_tokens, reuse, key), self._clock()
+            eligible,
+            RouteInput(prompt.n_tokens, reuse, key, routing.coverage_lookup(prompt)),
+            self._clock(),
         )
         by_name = {c.name: c for c in decision.candidates}
         down = self._events.unusable()

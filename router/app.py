@@ -22,6 +22,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from router import dashboard
 from router.admin import Admin
 from router.config import RouterConfig, TokenizerConfig
 from router.decisions import DecisionLog
@@ -222,6 +223,7 @@ def create_app(
         Route("/health", passthrough.health, methods=["GET"]),
         Route("/metrics", metrics_endpoint, methods=["GET"]),
         *admin.routes(),
+        *dashboard.routes(),
     ]
 
     @contextlib.asynccontextmanager

@@ -76,6 +76,15 @@ class PolicyConfig:
     spill: bool = _f(
         True, "when the best worker is saturated, send the request to the best unsaturated one"
     )
+    affinity_weight: float = _f(
+        0.5,
+        "when nothing is reusable anywhere, credit a worker this fraction of the prefill time "
+        "of the prompt tokens its full-attention blocks already hold (hybrid models store "
+        "state at such junctions, so later requests reuse it there); 0 = off",
+    )
+    affinity_max_workers: int = _f(
+        64, "skip that affinity lookup (per-worker, slow) above this many eligible workers"
+    )
     session_header: str = _f("x-session-id", "request header holding the session key")
     session_field: str = _f("user", "request body field holding the session key")
     session_bounded_load: float = _f(
@@ -89,7 +98,7 @@ class PolicyConfig:
     avg_prompt_tokens: int = _f(
         1024, "initial estimate of a waiting request's prefill tokens (learned at run time)"
     )
-    seed: int | None = _f(None, "seed for the random policy and jitter (unset = random)")
+    seed: int | None = _f(None, "seed of the random policy (unset = random)")
 
 
 @dataclass(frozen=True, slots=True)

@@ -245,6 +245,10 @@ class EventSubscriptions:
                         continue  # a resync: subscribe again at once, from a snapshot
                     session.cancel()
                     raise
+                except Exception as exc:  # a transport bug: keep following, with backoff
+                    self._ratelog.error(name, "events %s: subscription failed: %r", name, exc)
+                    status.last_error = repr(exc)
+                    got_message = False
                 self._mark_lost(name, status)
                 if got_message:
                     delay = self._cfg.reconnect_initial_s
@@ -270,7 +274,17 @@ class EventSubscriptions:
                     if resumed:  # the view we kept is current again
                         self._go_live(name, status)
                     continue
-                self._handle(name, status, message)
+                try:
+                    self._handle(name, status, message)
+                except Exception as exc:  # a bad message must not kill the subscription
+                    self._ratelog.error(
+                        name, "events %s: cannot apply a message (%s); resynchronising", name, exc
+                    )
+                    self._metrics.child(self._metrics.resyncs, name, "apply_error").inc()
+                    self._index.invalidate(name)
+                    self._points[name] = ResumePoint()
+                    status.last_error = f"apply failed: {exc}"
+                    return got
                 point.observe(message)
             status.last_error = "stream ended"
         except grpc.aio.AioRpcError as exc:

@@ -60,8 +60,19 @@ class FleetIndexView:
                 GroupReuse(g.group_id, g.kind, g.block_size, g.sliding_window, g.accepted_tokens)
                 for g in ws.groups
             ]
-            out[worker] = ReuseExplanation(ws.reusable_tokens, groups, ws.alignment, ws.reason)
+            out[worker] = ReuseExplanation(
+                ws.reusable_tokens, groups, ws.alignment, ws.reason, ws.expected_tokens
+            )
         return out
+
+    def coverage(
+        self, token_ids: Sequence[int], lora_name: str = "", cache_salt: str = ""
+    ) -> Mapping[str, int | None]:
+        # explain() walks one worker at a time: fine for small fleets (the caller bounds it)
+        return {
+            worker: exp.full_attention_only()
+            for worker, exp in self.explain(token_ids, lora_name, cache_salt).items()
+        }
 
     def expect(
         self, worker: str, token_ids: Sequence[int], lora_name: str, cache_salt: str, ttl_s: float

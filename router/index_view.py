@@ -32,17 +32,19 @@ class ReuseExplanation:
     groups: list[GroupReuse] = field(default_factory=list)
     alignment: int = 0
     reason: str = ""
+    expected_tokens: int = 0  # credit from a live expectation (speculative entry)
 
     def full_attention_only(self) -> int | None:
-        """What a router that indexes only full-attention groups would predict."""
+        """What a router that indexes only full-attention groups would predict (with the same
+        speculative credit as the full rule, as llm-d and Dynamo keep speculative entries)."""
         accepted = [
             g.accepted_tokens
             for g in self.groups
             if g.kind in FULL_ATTENTION_KINDS and g.accepted_tokens is not None
         ]
         if not accepted:
-            return None
-        return min(accepted)
+            return self.expected_tokens or None
+        return max(min(accepted), self.expected_tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +68,12 @@ class IndexView(Protocol):
     def explain(
         self, token_ids: Sequence[int], lora_name: str = "", cache_salt: str = ""
     ) -> Mapping[str, ReuseExplanation]: ...
+
+    def coverage(
+        self, token_ids: Sequence[int], lora_name: str = "", cache_salt: str = ""
+    ) -> Mapping[str, int | None]:
+        """Prompt tokens each worker's full-attention groups hold (may exceed the reuse)."""
+        ...
 
     def expect(
         self, worker: str, token_ids: Sequence[int], lora_name: str, cache_salt: str, ttl_s: float

@@ -167,6 +167,12 @@ def _bad(param: str, what: str) -> RouterError:
     return RouterError(INVALID_FIELD, f"'{param}' {what}", param=param)
 
 
+def skips_prefix_cache(req: ClientRequest) -> bool:
+    """Requests vLLM serves without reading the prefix cache: `prompt_logprobs` (it must
+    compute every prompt position) and pooling (embeddings). They reuse nothing anywhere."""
+    return req.endpoint == EMBEDDINGS or req.body.get("prompt_logprobs") is not None
+
+
 def with_stream_usage(body: dict[str, Any]) -> bytes:
     """The body re-encoded with stream usage on (continuous usage off, as the client had it)."""
     opts = dict(body.get("stream_options") or {})

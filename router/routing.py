@@ -8,6 +8,7 @@ worker.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
@@ -17,9 +18,12 @@ from router.config import ModelSpec, PolicyConfig
 from router.errors import NO_WORKER, TOKENIZE, UNKNOWN_MODEL, RouterError
 from router.index_view import IndexView
 from router.metrics import RouterMetrics
-from router.openai_request import ClientRequest
+from router.openai_request import ClientRequest, skips_prefix_cache
 from router.policy import Decision, FullAttentionOnlyPolicy, Policy, RouteInput, session_key
+from router.tokenize.ratelog import RateLimitedLog
 from router.workers import ModelRoute, Worker, WorkerRegistry
+
+log = logging.getLogger("kvroute.router.routing")
 
 _EMPTY: Mapping[str, int | None] = {}
 BYTES_PER_TOKEN_ESTIMATE = 4
@@ -45,6 +49,7 @@ class Prompt:
     n_tokens: int  # exact when token_ids is set, else estimated from the body size
     lora_name: str
     cache_salt: str
+    cacheable: bool = True  # False: vLLM will not read the prefix cache for it
 
 
 class Routing:
@@ -62,6 +67,7 @@ class Routing:
         retry_after_s: int = 1,
     ) -> None:
         self._retry_after = retry_after_s
+        self._ratelog = RateLimitedLog(log, interval_s=10.0)
         self.registry = registry
         self.index = index
         self.policy = policy
@@ -125,7 +131,9 @@ class Routing:
             return Prompt(None, "none", estimate, route.lora_name, req.cache_salt)
         self._metrics.child(self._metrics.token_source, got.source).inc()
         ids = got.token_ids
-        return Prompt(ids, got.source, len(ids), route.lora_name, req.cache_salt)
+        return Prompt(
+            ids, got.source, len(ids), route.lora_name, req.cache_salt, not skips_prefix_cache(req)
+        )
 
     def _render_worker(self, route: ModelRoute) -> str | None:
         workers = self.eligible(route)
@@ -137,14 +145,21 @@ class Routing:
         """Predicted reuse per worker; streams that are down count as no evidence."""
         if prompt.token_ids is None:
             return _EMPTY
+        if not prompt.cacheable:
+            return dict.fromkeys(self.registry.names(), 0)  # vLLM will reuse nothing
         ids, lora, salt = prompt.token_ids, prompt.lora_name, prompt.cache_salt
-        if self._fa_only:
-            scores: Mapping[str, int | None] = {
-                name: exp.full_attention_only()
-                for name, exp in self.index.explain(ids, lora, salt).items()
-            }
-        else:
-            scores = self.index.score(ids, lora, salt)
+        try:
+            if self._fa_only:
+                scores: Mapping[str, int | None] = {
+                    name: exp.full_attention_only()
+                    for name, exp in self.index.explain(ids, lora, salt).items()
+                }
+            else:
+                scores = self.index.score(ids, lora, salt)
+        except Exception as exc:  # an index bug must not fail requests: route without evidence
+            self._ratelog.error("score", "index scoring failed, routing without it: %r", exc)
+            self._metrics.child(self._metrics.errors, "index").inc()
+            return _EMPTY
         down = self._unusable()
         if down:
             scores = {name: (None if name in down else v) for name, v in scores.items()}
@@ -163,7 +178,9 @@ class Routing:
         workers = self.eligible(route, exclude)
         key = session_key(req.header_map, req.body, self.cfg)
         decision = self.policy.decide(
-            workers, RouteInput(prompt.n_tokens, reuse, key), self._clock()
+            workers,
+            RouteInput(prompt.n_tokens, reuse, key, self.coverage_lookup(prompt)),
+            self._clock(),
         )
         self._decision_hist.observe(time.perf_counter() - started)
         self._metrics.child(self._decision_count, decision.policy, decision.reason).inc()
@@ -175,13 +192,37 @@ class Routing:
             )
         return decision
 
+    def coverage_lookup(self, prompt: Prompt) -> Callable[[], Mapping[str, int | None]] | None:
+        """A lazy full-attention coverage lookup for the policy (None without ids)."""
+        ids = prompt.token_ids
+        if ids is None or self._fa_only or not prompt.cacheable:
+            return None
+
+        def lookup() -> Mapping[str, int | None]:
+            try:
+                found = self.index.coverage(ids, prompt.lora_name, prompt.cache_salt)
+            except Exception as exc:
+                self._ratelog.error("coverage", "index coverage failed: %r", exc)
+                self._metrics.child(self._metrics.errors, "index").inc()
+                return _EMPTY
+            down = self._unusable()
+            if down:
+                return {name: (None if name in down else v) for name, v in found.items()}
+            return found
+
+        return lookup
+
     def expect(self, worker: Worker, prompt: Prompt) -> None:
         """Credit the chosen worker with this prompt until its events arrive (or expiry)."""
-        if prompt.token_ids is not None and self.cfg.expect_seconds > 0:
-            self.index.expect(
-                worker.name,
-                prompt.token_ids,
-                prompt.lora_name,
-                prompt.cache_salt,
-                self.cfg.expect_seconds,
-            )
+        if prompt.token_ids is not None and prompt.cacheable and self.cfg.expect_seconds > 0:
+            try:
+                self.index.expect(
+                    worker.name,
+                    prompt.token_ids,
+                    prompt.lora_name,
+                    prompt.cache_salt,
+                    self.cfg.expect_seconds,
+                )
+            except Exception as exc:
+                self._ratelog.error("expect", "index expectation failed: %r", exc)
+                self._metrics.child(self._metrics.errors, "index").inc()

@@ -27,9 +27,6 @@ class UpstreamTimeout(UpstreamError):
     pass
 
 
-_CHUNK = 64 * 1024
-
-
 class UpstreamResponse:
     """An open upstream response; the body is read with `read()` or `chunks()`."""
 

@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import json
 import logging
 import os
 import signal
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
-from sim.cache_api import CacheBackend, CacheSpec
+from sim.cache_api import CacheBackend, CacheSpec, missing_methods
 from sim.engine.core import EngineConfig
 from sim.profiles import PROFILES
 from sim.publisher import PublisherConfig
@@ -74,16 +75,21 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 def cache_factory(name: str) -> Callable[[CacheSpec], CacheBackend]:
     """The cache backend class for --cache-backend (ImportError if vLLM is missing)."""
     if name == "vllm":
-        from sim.vllm_backend import VllmCacheBackend  # type: ignore[import-not-found]
-
-        factory: Callable[[CacheSpec], CacheBackend] = VllmCacheBackend
-        return factory
+        cls = importlib.import_module("sim.vllm_backend").VllmCacheBackend
+        missing = missing_methods(cls)
+        if missing:
+            raise ImportError(
+                f"sim.vllm_backend.VllmCacheBackend lacks {', '.join(missing)} "
+                "(see /work/notes/sim-cache-protocol.md)"
+            )
+        return cast(Callable[[CacheSpec], CacheBackend], cls)
     from sim.cache import SimCache
 
     return SimCache
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine settings the options describe."""
     return EngineConfig(
         model=args.model,
         lora_adapters=tuple(args.lora),
@@ -123,6 +129,7 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The `kvroute sim` options."""
     p = argparse.ArgumentParser(
         prog="kvroute sim",
         description="Run a simulated vLLM engine (OpenAI HTTP API + KV events on ZMQ). "
@@ -177,6 +184,7 @@ async def _serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`kvroute sim [fleet]`: run until SIGINT/SIGTERM; 2 for bad options."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "fleet":
         from sim.fleet import main as fleet_main

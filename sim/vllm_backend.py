@@ -1,5 +1,9 @@
 """vLLM's real KV cache manager as a simulated engine's cache, driven like vLLM's scheduler.
 
+The one place in kvroute that drives vLLM's `KVCacheManager`: the simulated engine
+(`kvroute sim --cache-backend vllm`), the sim's differential test against SimCache
+(tests/sim/vllm_agreement_runner.py) and the conformance driver (tests/conformance) all use it.
+
 - `VllmCacheBackend` wraps a real `vllm.v1.core.kv_cache_manager.KVCacheManager` (no model, no
   GPU) behind the simulated engine's cache protocol (/work/notes/sim-cache-protocol.md): add a
   request, look up its prefix hit, clip a chunk with the scheduler's own Mamba block-aligned
@@ -9,23 +13,22 @@
   first, preemption from the back when the pool is full, admission of waiting requests, decode)
   and hands each step's events out as vLLM's own `KVEventBatch`.
 
-Importable only inside the vLLM environment (.venv-vllm). The conformance driver
-(tests/conformance/vllm_driver.py) and the simulated engine's vLLM backend use it. The recipe
-is reference/vllm-kv-events.md §9.
+Importable only inside the vLLM environment (.venv-vllm). The recipe is
+reference/vllm-kv-events.md §9.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from types import SimpleNamespace
+from types import MappingProxyType, SimpleNamespace
 from typing import Any
 
+import msgspec
 import torch
 from vllm.distributed.kv_events import KVCacheEvent, KVEventBatch
 from vllm.lora.request import LoRARequest
@@ -45,6 +48,9 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 from vllm.v1.request import Request, RequestStatus
+
+from sim import events as sim_events
+from sim.cache_api import CacheRequest, Lookup
 
 GROUP_KINDS = ("full_attention", "sliding_window", "mamba", "circular_buffer")
 
@@ -146,29 +152,13 @@ class Namespace:
     lora_path: str = ""
 
 
-@dataclass(frozen=True)
-class CacheRequest:
-    """A request as the cache sees it (field names as in sim.cache_api.CacheRequest)."""
+@dataclass(frozen=True, slots=True)
+class VllmRequest(CacheRequest):
+    """A `sim.cache_api.CacheRequest` with per-request settings only vLLM honours (the
+    conformance driver's limit scenarios): the KV report mode and prompt logprobs."""
 
-    request_id: str
-    prompt_token_ids: tuple[int, ...]
-    lora_name: str | None = None
-    lora_id: int | None = None
-    lora_path: str | None = None
-    cache_salt: str | None = None
-    max_tokens: int = 16
-    # Extras the conformance driver uses: vLLM's per-request KV report mode and prompt logprobs.
     kv_cache_report_mode: str | None = None
     prompt_logprobs: int | None = None
-
-
-@dataclass(frozen=True)
-class Lookup:
-    """`get_computed_blocks` for an added request; `handle` is vLLM's KVCacheBlocks."""
-
-    hit_tokens: int
-    shared_prefix_boundary: int
-    handle: object = None
 
 
 @dataclass(frozen=True)
@@ -178,6 +168,37 @@ class NativeHit:
     hit: int
     per_group: tuple[int, ...]
     shared_prefix_boundary: int
+
+
+# ---- events ---------------------------------------------------------------------------------
+
+
+def to_sim_event(event: KVCacheEvent) -> sim_events.KvEvent:
+    """vLLM's event object as the `sim.events` record of the same name, field by field.
+
+    Raises TypeError for an event type or a set field that the records do not know, so a vLLM
+    upgrade that adds one fails loudly here instead of publishing less than vLLM would.
+    """
+    cls = getattr(sim_events, type(event).__name__, None)
+    if cls not in (sim_events.BlockStored, sim_events.BlockRemoved, sim_events.AllBlocksCleared):
+        raise TypeError(f"no sim.events record for vLLM event {type(event).__name__}")
+    known = {f.name for f in msgspec.structs.fields(cls)}
+    values: dict[str, Any] = {}
+    for f in msgspec.structs.fields(type(event)):
+        value = getattr(event, f.name)
+        if f.name not in known:
+            if value is None or value == f.default:
+                continue
+            raise TypeError(f"vLLM's {type(event).__name__}.{f.name} has no sim.events field")
+        if f.name in ("block_hashes", "token_ids"):
+            value = list(value)
+        elif f.name == "extra_keys" and value is not None:
+            value = [None if key is None else tuple(key) for key in value]
+        elif f.name == "lookahead_token_ids" and value is not None:
+            value = [list(tokens) for tokens in value]
+        values[f.name] = value
+    record: sim_events.KvEvent = cls(**values)
+    return record
 
 
 # ---- the backend ----------------------------------------------------------------------------
@@ -208,7 +229,8 @@ class VllmCacheBackend:
             max_model_len=spec.max_model_len,
             scheduler_block_size=self.scheduler_block_size,
             hash_block_size=self.hash_block_size,
-            enable_caching=True,
+            max_in_flight_tokens=getattr(spec, "max_in_flight_tokens", None),
+            enable_caching=getattr(spec, "enable_caching", True),
             enable_kv_cache_events=True,
         )
         self.partial_hits = bool(self.manager.coordinator.enable_partial_hash_hits)
@@ -266,7 +288,11 @@ class VllmCacheBackend:
         )
 
     def allocate(self, request_id: str, num_new_tokens: int, lookup: Lookup | None = None) -> bool:
-        """`allocate_slots`; with the first chunk's lookup, adopt its hit. False = no room."""
+        """`allocate_slots`; with the first chunk's lookup, adopt its hit. False = no room.
+
+        An admission (with `lookup`) checks that the whole sequence fits, as vLLM does by
+        default (`scheduler_reserve_full_isl`).
+        """
         request = self._requests[request_id]
         if lookup is None:
             return self.manager.allocate_slots(request, num_new_tokens) is not None
@@ -277,6 +303,7 @@ class VllmCacheBackend:
             num_new_tokens,
             num_new_computed_tokens=lookup.hit_tokens,
             new_computed_blocks=blocks,
+            full_sequence_must_fit=True,
         )
         if allocated is None:
             return False
@@ -292,8 +319,9 @@ class VllmCacheBackend:
 
     def free(self, request_id: str) -> None:
         """The request finished or was aborted: release its blocks (emits nothing)."""
-        request = self._requests.pop(request_id)
-        self.manager.free(request)
+        request = self._requests.pop(request_id, None)
+        if request is not None:
+            self.manager.free(request)
 
     def preempt(self, request_id: str) -> None:
         """Release a running request's blocks but keep it (prompt and outputs) to resume."""
@@ -303,40 +331,35 @@ class VllmCacheBackend:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
 
-    def end_step(self) -> list[Any]:
-        """End a step (§9.3) and return its events as `sim.events` records."""
-        from sim import events as sim_events  # the simulated engine's records
+    def begin_step(self) -> None:
+        """A new engine step starts (vLLM's scheduler calls this first in `schedule`)."""
+        self.manager.new_step_starts()
 
-        def convert(event: KVCacheEvent) -> Any:
-            cls = getattr(sim_events, type(event).__name__)
-            return cls(**{f.name: getattr(event, f.name) for f in dataclasses.fields(cls)})
-
-        return [convert(e) for e in self.end_step_vllm()]
-
-    def after_schedule(self) -> None:
+    def end_schedule(self) -> None:
         """What the scheduler drains right after scheduling a step: boundary-state offloads
         and block copies (their retained copy-on-write blocks go back to the pool). Call it
-        before freeing the step's finished requests to reproduce vLLM's eviction order;
-        `end_step` calls it too, for callers that do not."""
+        before freeing the step's finished requests, as vLLM does."""
         manager = self.manager
         manager.take_boundary_state_offloads()
         _, retained = manager.take_kv_cache_block_copies()
         if retained:
             manager.block_pool.free_blocks(retained)
 
+    def end_step(self) -> list[sim_events.KvEvent]:
+        """The step's events as `sim.events` records (the bridge's msgspec records, vLLM's
+        field names), ready for the simulated engine's publisher."""
+        return [to_sim_event(e) for e in self.end_step_vllm()]
+
     def end_step_vllm(self) -> list[KVCacheEvent]:
-        """End a step and return vLLM's own events, in the block pool's order."""
-        self.after_schedule()
-        events = self.manager.take_events()
-        self.manager.new_step_starts()
-        return events
+        """The step's events as vLLM's own objects, in the block pool's order."""
+        return list(self.manager.take_events())
 
     def reset(self) -> bool:
         """`reset_prefix_cache`: only when no request holds blocks; its event comes next step."""
         return bool(self.manager.reset_prefix_cache())
 
     def usage(self) -> float:
-        return float(self.manager.block_pool.get_usage())
+        return float(self.manager.usage)
 
     def per_group_hits(self, request_id: str) -> list[int]:
         request = self._requests[request_id]
@@ -347,6 +370,11 @@ class VllmCacheBackend:
     def request(self, request_id: str) -> Request:
         return self._requests[request_id]
 
+    @property
+    def requests(self) -> Mapping[str, Request]:
+        """The live vLLM requests by id (read-only view, for traces and tests)."""
+        return MappingProxyType(self._requests)
+
     def native_hit(
         self,
         tokens: Sequence[int],
@@ -356,7 +384,7 @@ class VllmCacheBackend:
     ) -> NativeHit:
         """vLLM's own hit for a prompt, without allocating or adding anything (§9.3)."""
         ns = namespace or Namespace()
-        probe = CacheRequest(
+        probe = VllmRequest(
             request_id=f"probe-{next(self._probe_ids)}",
             prompt_token_ids=tuple(tokens),
             lora_name=ns.lora_name or None,
@@ -467,7 +495,7 @@ class SchedulerLoop:
         ns = namespace or Namespace()
         request_id = f"req-{next(self._ids)}"
         self.backend.add_request(
-            CacheRequest(
+            VllmRequest(
                 request_id=request_id,
                 prompt_token_ids=tuple(tokens),
                 lora_name=ns.lora_name or None,
@@ -516,6 +544,7 @@ class SchedulerLoop:
         if self.idle:
             return False
         backend = self.backend
+        backend.begin_step()
         budget = self.backend.spec.max_num_scheduled_tokens
         scheduled: list[tuple[_Work, int]] = []
 
@@ -560,7 +589,7 @@ class SchedulerLoop:
             scheduled.append((work, n))
             budget -= n
 
-        backend.after_schedule()
+        backend.end_schedule()
         # "Execute": advance, sample where a prefill or decode completes, finish.
         finished: list[_Work] = []
         for work, n in scheduled:

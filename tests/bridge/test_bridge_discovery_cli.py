@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -160,12 +161,14 @@ def test_cli_runs_and_stops_on_sigterm() -> None:
     )
     try:
         assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], 30)
+        assert ready, "the bridge did not start within 30 s"
         line = proc.stdout.readline()
         assert "gRPC on port" in line, line
         http_port = int(line.rsplit("HTTP on port ", 1)[1])
         deadline = time.monotonic() + 10
         while True:
-            health = httpx.get(f"http://127.0.0.1:{http_port}/health").json()
+            health = httpx.get(f"http://127.0.0.1:{http_port}/health", timeout=5).json()
             if health["ready"] or time.monotonic() > deadline:
                 break
             time.sleep(0.1)

@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from vllm_recording import SCENARIOS
+from vllm_recording import FLEETS, SCENARIOS
 
 pytestmark = pytest.mark.vllm
 
@@ -22,6 +22,7 @@ STORED_KEYS = {"block_hashes", "parent_block_hash", "token_ids", "block_size", "
 def test_recording_covers_every_scenario(vllm_recording: dict[str, Any]) -> None:
     assert vllm_recording["vllm_version"] == "0.33.0"
     assert [sc["name"] for sc in vllm_recording["scenarios"]] == SCENARIOS
+    assert [fleet["name"] for fleet in vllm_recording["fleets"]] == FLEETS
 
 
 def test_native_hits_reproduce_the_reference_examples(vllm_recording: dict[str, Any]) -> None:
@@ -112,5 +113,5 @@ def test_native_answers_are_consistent(
         assert min(per_group) >= hit
     if not sc["limit"] and len(probes) > 100:
         hits = [p["hit"] for p in probes]
-        assert sum(h > 0 for h in hits) > len(hits) // 10, "too few cache hits to be a test"
+        assert sum(h > 0 for h in hits) > len(hits) // 20, "too few cache hits to be a test"
         assert sum(h == 0 for h in hits) > len(hits) // 10, "too few misses to be a test"

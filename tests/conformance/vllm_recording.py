@@ -15,20 +15,29 @@ import hashlib
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import pytest
 
 from bridge.convert import ConvertStats, convert_batch
 from bridge.vllm_schema import BatchDecoder
+from indexer import Namespace
 from proto.events_pb2 import KvEventBatch
+
+T = TypeVar("T")
 
 REPO = Path(__file__).resolve().parents[2]
 DRIVER = REPO / "tests" / "conformance" / "vllm_driver.py"
 BACKEND = REPO / "sim" / "vllm_backend.py"
+# Everything the recording depends on besides vLLM itself (its cache key).
+DRIVER_SOURCES = (
+    DRIVER,
+    *(DRIVER.parent / f"vllm_{part}.py" for part in ("wire", "workloads", "scenarios")),
+    BACKEND,
+)
 CACHE_DIR = REPO / ".cache" / "conformance"
 
 
@@ -55,11 +64,18 @@ def _vllm_version(python: Path) -> str:
     return probe.stdout.strip()
 
 
+def extra_seeds() -> int:
+    """Reseeded copies of every random-workload scenario to record and test as well (0 by
+    default; set KVROUTE_CONFORMANCE_EXTRA_SEEDS=N for a longer bug hunt)."""
+    return int(os.environ.get("KVROUTE_CONFORMANCE_EXTRA_SEEDS", "0"))
+
+
 def recording_path(version: str) -> Path:
     digest = hashlib.sha256(version.encode())
-    for source in (DRIVER, BACKEND):
+    for source in DRIVER_SOURCES:
         digest.update(source.read_bytes())
-    return CACHE_DIR / f"vllm-{version}-{digest.hexdigest()[:16]}.msgpack"
+    suffix = f"-x{extra_seeds()}" if extra_seeds() else ""
+    return CACHE_DIR / f"vllm-{version}-{digest.hexdigest()[:16]}{suffix}.msgpack"
 
 
 def load_recording() -> dict[str, Any]:
@@ -73,7 +89,7 @@ def load_recording() -> dict[str, Any]:
     path = recording_path(_vllm_version(python))
     if not path.exists():
         run = subprocess.run(
-            [str(python), str(DRIVER), "--out", str(path)],
+            [str(python), str(DRIVER), "--out", str(path), "--extra-seeds", str(extra_seeds())],
             capture_output=True,
             text=True,
             timeout=900,
@@ -110,6 +126,7 @@ SCENARIOS = [
     "preempt_hybrid16",
     "long_hybrid_w512",
     "swa_only_dense",
+    "mamba_swa_dense",
     "limit_nonprefix_lcm",
     "limit_pmu16_fa64",
     "limit_swa_only_r0",
@@ -120,9 +137,40 @@ SCENARIOS = [
 ]
 
 
+def at_each_probe(
+    probes: list[dict[str, Any]],
+    batches: Sequence[KvEventBatch],
+    apply: Callable[[KvEventBatch], None],
+    ask: Callable[[dict[str, Any]], T],
+) -> list[T]:
+    """`ask(probe)` for each probe once the batches before it (its "after") are applied."""
+    applied = 0
+    answers = []
+    for probe in probes:
+        while applied < probe["after"]:
+            apply(batches[applied])
+            applied += 1
+        answers.append(ask(probe))
+    return answers
+
+
+def probe_namespace(probe: dict[str, Any]) -> Namespace:
+    """The namespace a probe was sent in."""
+    return Namespace(probe["lora_name"], probe["cache_salt"])
+
+
 def converted(sc: dict[str, Any], stats: ConvertStats | None = None) -> Iterator[KvEventBatch]:
     """The scenario's live frames through the bridge's decoder and converter, in order."""
     decoder = BatchDecoder()
     for _topic, seq_frame, payload in sc["frames"]:
         yield convert_batch(decoder.decode(payload), int.from_bytes(seq_frame, "big"), stats=stats)
     assert decoder.unknown_field_batches == 0, decoder.unknown_field_names
+
+
+# The random-workload scenarios (not scripted examples) that are not limits: the driver
+# reseeds them with --extra-seeds, in this order.
+RESEEDED = [name for name in SCENARIOS if not name.startswith(("example_", "limit_"))]
+SCENARIOS += [f"{name}~s{k}" for k in range(1, extra_seeds() + 1) for name in RESEEDED]
+
+# The driver's fleets (several workers recorded together), in its order.
+FLEETS = ["fleet_rolling_upgrade", "fleet_same_model"]

@@ -75,6 +75,10 @@ def _run(seed: int, n_workers: int, steps: int, caps: tuple[int, int] | None) ->
                     assert got == ref, (*ctx, got, ref)
                 elif ref is not None and got is not None:
                     assert got <= ref, (*ctx, got, ref)
+    # removing every worker leaves nothing behind in the shared inverted index
+    for name in fleet.workers():
+        fleet.remove_worker(name)
+    assert all(not d for d in fleet._inv.slots) and fleet._inv.shared_bitsets() == 0
 
 
 @SETTINGS

@@ -33,6 +33,13 @@ class ScriptedIndex:
             k: ReuseExplanation(v, [], 16, "scripted") for k, v in self.score(token_ids).items()
         }
 
+    coverages: dict[str, int | None] = field(default_factory=dict)
+
+    def coverage(
+        self, token_ids: Sequence[int], lora_name: str = "", cache_salt: str = ""
+    ) -> Mapping[str, int | None]:
+        return dict(self.coverages)
+
     def expect(
         self, worker: str, token_ids: Sequence[int], lora_name: str, cache_salt: str, ttl_s: float
     ) -> None:

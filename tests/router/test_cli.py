@@ -115,7 +115,7 @@ def test_serve_with_two_processes(tmp_path: Path) -> None:
 
 def test_router_overhead_bench_smoke(tmp_path: Path) -> None:
     data = _bench("bench.router_overhead_bench", tmp_path)
-    assert data["benchmark"] == "overhead" and data["smoke"] is True
+    assert data["benchmark"] == "router_overhead" and data["smoke"] is True
     cells = data["proxy"]
     assert isinstance(cells, list) and len(cells) == 4
     decision = data["decision"]

@@ -165,3 +165,47 @@ def test_unreachable_bridge_stays_unusable() -> None:
             await events.stop()
 
     run(go)
+
+
+def test_a_message_the_index_rejects_resynchronises() -> None:
+    class BrokenOnce(ScriptedIndex):
+        failed = False
+
+        def apply(self, worker: str, batch: events_pb2.KvEventBatch) -> None:
+            if not self.failed:
+                self.failed = True
+                raise ValueError("indexer bug")
+            super().apply(worker, batch)
+
+    async def go() -> None:
+        bridge = FakeBridge()
+        await bridge.start()
+        index = BrokenOnce()
+        metrics = RouterMetrics()
+        events = EventSubscriptions(
+            index, EventsConfig(reconnect_initial_s=0.05, reconnect_max_s=0.1), metrics
+        )
+        registry = WorkerRegistry(BreakerConfig())
+        registry.listen(events)
+        registry.add(
+            WorkerSpec(name="w0", url="http://127.0.0.1:1", bridge=f"127.0.0.1:{bridge.port}")
+        )
+        await events.start()
+        try:
+            await until(lambda: len(index.snapshots) == 1)
+            bridge.stream.apply(batch(1, 0))  # the index raises on this one
+            await until(lambda: len(index.snapshots) == 2)  # fresh subscription, snapshot
+            assert index.invalidated == ["w0"]
+            bridge.stream.apply(batch(2, 16))
+            await until(lambda: ("w0", 2) in index.batches)
+            assert (
+                metrics.registry.get_sample_value(
+                    "kvroute_index_resyncs_total", {"worker": "w0", "cause": "apply_error"}
+                )
+                == 1
+            )
+        finally:
+            await events.stop()
+            await bridge.stop()
+
+    run(go)

@@ -478,3 +478,38 @@ def test_configured_model_without_workers_is_503_unknown_is_404() -> None:
             assert resp.status_code == 404
 
     run(go())
+
+
+def test_an_index_failure_routes_without_evidence() -> None:
+    from tests.router.fakes import ScriptedIndex
+
+    class Broken(ScriptedIndex):
+        def score(self, *a: Any, **k: Any) -> Any:
+            raise RuntimeError("index bug")
+
+        def expect(self, *a: Any, **k: Any) -> None:
+            raise RuntimeError("index bug")
+
+    async def go() -> None:
+        async with rig(2, index=Broken()) as r:
+            resp = await r.client.post("/v1/chat/completions", json=CHAT)
+            assert resp.status_code == 200
+            assert r.parts.decisions.recent(1)[0].decision.reason == "least_load"
+            assert metric(await metrics_text(r), "kvroute_errors_total", kind="index") == 2
+
+    run(go())
+
+
+def test_requests_that_skip_the_prefix_cache_predict_no_reuse() -> None:
+    async def go() -> None:
+        async with rig(2) as r:
+            r.index.scores = {"w0": 0, "w1": 16}
+            resp = await r.client.post("/v1/chat/completions", json={**CHAT, "prompt_logprobs": 1})
+            assert resp.status_code == 200
+            d = r.parts.decisions.recent(1)[0].decision
+            assert d.reason != "cache" and d.predicted_reuse == 0
+            assert r.index.expected == []  # nothing to expect: vLLM does not read the cache
+            resp = await r.client.post("/v1/chat/completions", json=CHAT)
+            assert r.parts.decisions.recent(1)[0].decision.reason == "cache"
+
+    run(go())

@@ -152,3 +152,11 @@ def test_fleet_rejects_bad_arguments() -> None:
         timeout=30,
     )
     assert r.returncode == 2 and "num_blocks" in r.stderr
+
+
+def test_fleet_stops_everything_when_a_child_dies(tmp_path: Path) -> None:
+    proc, info = _start(["--workers", "2", "--no-bridge", "--speed", "50"], tmp_path)
+    os.kill(info["workers"][0]["engine_pid"], signal.SIGKILL)
+    proc.wait(30)
+    assert proc.returncode == 1
+    assert not any(_alive(p) for p in _children(info))

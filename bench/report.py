@@ -1,0 +1,169 @@
+"""Tables (Markdown) and plots (PNG, matplotlib Agg) of benchmark results."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+
+def fmt(x: Any, nd: int = 3, pct: bool = False) -> str:
+    """A table cell: '-' for missing, percentages with one decimal."""
+    if x is None:
+        return "-"
+    if pct:
+        return f"{100.0 * float(x):.1f}%"
+    if isinstance(x, float):
+        return f"{x:.{nd}f}"
+    return str(x)
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    out += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def _busy(per_engine: list[float] | None) -> str:
+    """Total simulated GPU seconds and the busiest engine relative to the mean."""
+    if not per_engine or not sum(per_engine):
+        return "-"
+    mean = sum(per_engine) / len(per_engine)
+    return f"{sum(per_engine):.0f} ({max(per_engine) / mean:.2f})"
+
+
+def _prediction(p: dict[str, Any] | None) -> str:
+    """kvroute's own check of its predictions: mean |predicted - engine| and the miss share."""
+    if not p or not p.get("verified"):
+        return "-"
+    return f"{p['mean_abs_error_tokens']} ({p['misses'] / p['verified']:.0%} missed)"
+
+
+def routing_rows(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """The routing benchmark's table: one row per router that ran."""
+    headers = [
+        "router",
+        "cached tokens",
+        "cached %",
+        "vs oracle",
+        "TTFT p50 (s)",
+        "TTFT p90 (s)",
+        "TTFT p99 (s)",
+        "req/s",
+        "output tok/s",
+        f"goodput req/s (TTFT ≤ {result.get('slo_ttft_s', '?')} s)",
+        "GPU s (max/mean)",
+        "prediction error (tok)",
+        "errors",
+    ]
+    oracle = next(
+        (r for r in result["routers"] if r["name"] == "oracle" and r["status"] == "ok"), None
+    )
+    rows = []
+    for r in result["routers"]:
+        if r["status"] != "ok":
+            reason = str(r.get("reason", "")).splitlines()[0][:120] if r.get("reason") else ""
+            rows.append([r["label"], f"*{r['status']}: {reason}*"] + [""] * 11)
+            continue
+        s = r["summary"]
+        cached = r.get("engine_cached_tokens", s["cached_tokens"])
+        prompt = r.get("engine_prompt_tokens") or s["prompt_tokens"]
+        vs = None
+        if oracle is not None:
+            o = oracle.get("engine_cached_tokens", oracle["summary"]["cached_tokens"])
+            vs = cached / o if o else None
+        rows.append(
+            [
+                r["label"],
+                f"{cached:,}",
+                fmt(cached / prompt if prompt else None, pct=True),
+                fmt(vs, pct=True),
+                fmt(s["ttft_p50"]),
+                fmt(s["ttft_p90"]),
+                fmt(s["ttft_p99"]),
+                fmt(s["req_per_s"], 2),
+                fmt(s["output_tok_per_s"], 0),
+                fmt(s["goodput_req_per_s"], 2),
+                _busy(r.get("per_engine_busy_s")),
+                _prediction(r.get("prediction")),
+                str(s["errors"]),
+            ]
+        )
+    return headers, rows
+
+
+def routing_markdown(result: dict[str, Any]) -> str:
+    headers, rows = routing_rows(result)
+    t = result.get("trace", {})
+    f = result.get("fleet", {})
+    lines = [
+        f"# Routing benchmark: profile `{result['profile']}`"
+        + (" (smoke)" if result.get("smoke") else ""),
+        "",
+        f"Fleet: {f.get('workers', '?')} simulated engines ({f.get('profile', '?')}), "
+        f"trace: {t.get('name', '?')} ({t.get('requests', '?')} requests, "
+        f"{t.get('prompt_tokens', 0):,} prompt tokens), replay: {result.get('replay', '?')}. "
+        f"Cached tokens are the engines' own count (prefix-cache hits).",
+        "",
+        markdown_table(headers, rows),
+    ]
+    notes = result.get("notes") or []
+    if notes:
+        lines += ["", *[f"- {n}" for n in notes]]
+    lines += ["", f"Command: `{result.get('command', '')}`", ""]
+    return "\n".join(lines)
+
+
+def routing_plot(result: dict[str, Any], path: str | Path) -> None:
+    """Four panels: cached %, TTFT percentiles, throughput, goodput."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [r for r in result["routers"] if r["status"] == "ok"]
+    labels = [r["label"] for r in runs]
+    x = list(range(len(runs)))
+
+    def cached_pct(r: dict[str, Any]) -> float:
+        s = r["summary"]
+        cached = r.get("engine_cached_tokens", s["cached_tokens"])
+        prompt = r.get("engine_prompt_tokens") or s["prompt_tokens"]
+        return 100.0 * cached / prompt if prompt else 0.0
+
+    fig, axes = plt.subplots(2, 2, figsize=(13, 8.5))
+    ax = axes[0][0]
+    ax.bar(x, [cached_pct(r) for r in runs], color="tab:green")
+    ax.set_title("prompt tokens served from cache (%)")
+    ax = axes[0][1]
+    w = 0.27
+    for k, (q, color) in enumerate(
+        [("ttft_p50", "tab:blue"), ("ttft_p90", "tab:orange"), ("ttft_p99", "tab:red")]
+    ):
+        ax.bar(
+            [i + (k - 1) * w for i in x],
+            [r["summary"][q] or 0.0 for r in runs],
+            w,
+            label=q.replace("ttft_", ""),
+            color=color,
+        )
+    ax.set_title("time to first token (s)")
+    ax.legend()
+    ax = axes[1][0]
+    ax.bar(x, [r["summary"]["output_tok_per_s"] for r in runs], color="tab:purple")
+    ax.set_title("output tokens / s")
+    ax = axes[1][1]
+    ax.bar(x, [r["summary"]["goodput_req_per_s"] for r in runs], color="tab:cyan")
+    ax.set_title(f"goodput: requests / s with TTFT ≤ {result.get('slo_ttft_s')} s")
+    for row in axes:
+        for a in row:
+            a.set_xticks(x)
+            a.set_xticklabels(labels, rotation=30, ha="right", fontsize=8)
+            a.grid(axis="y", alpha=0.3)
+    fig.suptitle(
+        f"kvroute routing benchmark, profile {result['profile']}"
+        + (" (smoke)" if result.get("smoke") else "")
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

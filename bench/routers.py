@@ -1,0 +1,217 @@
+"""The routers a benchmark can put in front of a fleet, and how to start each one.
+
+Every router runs as its own process on loopback, in the benchmark's process group:
+
+- ``kvroute serve --config FLEET_CONFIG --policy P`` (kvroute's policies),
+- ``smg launch --worker-urls ... --policy P`` and ``vllm-router --worker-urls ... --policy P``
+  from ``.venv-peers`` (text-based cache-aware or round robin; no KV events, since they do
+  not read the simulated engines' event format the way kvroute's bridges do),
+- ``python -m bench.proxy --policy P`` (the bench's yardsticks: oracle, naive prefix, ...).
+
+A router is ready when its ``/v1/models`` lists the fleet's model.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import secrets
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.fleet import Fleet
+from bench.peers import Peers
+from bench.procs import Child, ProcessGroup, free_port
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    name: str  # key in results
+    label: str  # row label in tables
+    kind: str  # kvroute | smg | vllm-router | proxy
+    policy: str
+
+
+ROUTERS: dict[str, RouterSpec] = {
+    s.name: s
+    for s in [
+        RouterSpec("kvroute", "kvroute (default)", "kvroute", "ttft"),
+        RouterSpec(
+            "kvroute-fa-only", "kvroute full-attention only", "kvroute", "full_attention_only"
+        ),
+        RouterSpec("kvroute-session", "kvroute session affinity", "kvroute", "session"),
+        RouterSpec("kvroute-least-load", "kvroute least load", "kvroute", "least_load"),
+        RouterSpec("kvroute-round-robin", "kvroute round robin", "kvroute", "round_robin"),
+        RouterSpec("smg-cache-aware", "smg cache_aware", "smg", "cache_aware"),
+        RouterSpec("smg-round-robin", "smg round_robin", "smg", "round_robin"),
+        RouterSpec("vllm-router", "vllm-router cache_aware", "vllm-router", "cache_aware"),
+        RouterSpec("oracle", "oracle (true engine caches)", "proxy", "oracle"),
+        RouterSpec("bench-prefix", "naive text prefix (bench proxy)", "proxy", "prefix"),
+        RouterSpec("bench-round-robin", "round robin (bench proxy)", "proxy", "round_robin"),
+    ]
+}
+
+
+# kvroute's admin API is on (loopback only) so the bench can read prediction accuracy.
+ADMIN_TOKEN = "bench-" + secrets.token_hex(8)
+
+
+class RouterUnavailable(RuntimeError):
+    """The router cannot run here (not installed, not built yet); the reason is the message."""
+
+
+def kvroute_available() -> str | None:
+    """None if ``kvroute serve`` can run in this checkout, else why not."""
+    try:
+        found = importlib.util.find_spec("router.cli") is not None
+    except ImportError:
+        found = False
+    return None if found else "the kvroute router (router/cli.py) is not in this checkout"
+
+
+def command(spec: RouterSpec, port: int, fleet: Fleet, peers: Peers) -> list[str]:
+    """The command line that starts ``spec`` on 127.0.0.1:``port`` in front of ``fleet``."""
+    urls = [e.url for e in fleet.engines]
+    if spec.kind == "kvroute":
+        why = kvroute_available()
+        if why:
+            raise RouterUnavailable(why)
+        return [
+            sys.executable,
+            "-m",
+            "kvroute",
+            "serve",
+            "--config",
+            str(fleet.config_path),
+            "--policy",
+            spec.policy,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--admin-token",
+            ADMIN_TOKEN,
+            "--log-level",
+            "warning",
+        ]
+    if spec.kind == "smg":
+        if peers.smg is None:
+            raise RouterUnavailable(peers.note or "smg not installed")
+        return [
+            str(peers.smg),
+            "launch",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--worker-urls",
+            *urls,
+            "--policy",
+            spec.policy,
+            "--prometheus-host",
+            "127.0.0.1",
+            "--prometheus-port",
+            str(free_port()),
+            "--log-level",
+            "warn",
+        ]
+    if spec.kind == "vllm-router":
+        if peers.vllm_router is None:
+            raise RouterUnavailable(peers.note or "vllm-router not installed")
+        return [
+            str(peers.vllm_router),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--worker-urls",
+            *urls,
+            "--policy",
+            spec.policy,
+            "--prometheus-host",
+            "127.0.0.1",
+            "--prometheus-port",
+            str(free_port()),
+            "--log-level",
+            "warning",
+        ]
+    if spec.kind == "proxy":
+        return [
+            sys.executable,
+            "-m",
+            "bench.proxy",
+            "--policy",
+            spec.policy,
+            "--engines",
+            ",".join(urls),
+            "--port",
+            str(port),
+        ]
+    raise ValueError(f"unknown router kind {spec.kind!r}")
+
+
+def kvroute_predictions(url: str) -> dict[str, Any] | None:
+    """kvroute's own prediction accuracy (``/admin/workers``), summed over workers."""
+    req = urllib.request.Request(
+        url + "/admin/workers", headers={"authorization": f"Bearer {ADMIN_TOKEN}"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=5.0) as resp:
+            workers = json.loads(resp.read())["workers"]
+    except (urllib.error.URLError, OSError, ValueError, KeyError):
+        return None
+    verified = misses = resyncs = 0
+    abs_err = 0.0
+    for w in workers:
+        p = w.get("prediction") or {}
+        n = int(p.get("verified") or 0)
+        verified += n
+        misses += int(p.get("misses") or 0)
+        resyncs += int(p.get("resyncs") or 0)
+        abs_err += float(p.get("mean_abs_error_tokens") or 0.0) * n
+    return {
+        "verified": verified,
+        "misses": misses,
+        "resyncs": resyncs,
+        "mean_abs_error_tokens": round(abs_err / verified, 2) if verified else None,
+    }
+
+
+def _lists_model(url: str, model: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/v1/models", timeout=2.0) as resp:
+            data = json.loads(resp.read())
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+    return any(m.get("id") == model for m in data.get("data") or [])
+
+
+@dataclass(frozen=True)
+class RunningRouter:
+    spec: RouterSpec
+    url: str
+    child: Child
+
+
+def start_router(
+    pg: ProcessGroup, spec: RouterSpec, fleet: Fleet, peers: Peers, timeout_s: float = 60.0
+) -> RunningRouter:
+    """Start ``spec`` and wait until it serves the fleet's model."""
+    port = free_port()
+    child = pg.start(f"router-{spec.name}", command(spec, port, fleet, peers), cwd=Path.cwd())
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout_s
+    while not _lists_model(url, fleet.model):
+        if child.popen.poll() is not None:
+            raise RuntimeError(
+                f"{spec.name} exited with {child.popen.returncode}:\n{child.tail(20)}"
+            )
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{spec.name} not ready after {timeout_s}s:\n{child.tail(20)}")
+        time.sleep(0.2)
+    return RunningRouter(spec, url, child)

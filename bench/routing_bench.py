@@ -1,0 +1,276 @@
+"""Benchmark 1: routing quality and latency, every router in front of the same fleet.
+
+For each model profile (dense, swa, mamba) and each router, in sequence: start a fresh
+simulated fleet (cold caches), start the router in front of it, replay the same trace
+through it, read the engines' own prefix-cache counters before and after, stop both. The
+results go to ``bench/results/routing_<profile>.{json,md,png}``.
+
+Routers (``--routers``, see :mod:`bench.routers`): kvroute with its default policy, with
+the index limited to full-attention groups, session affinity, least load and round robin;
+``smg`` (cache_aware, round_robin) and ``vllm-router`` (cache_aware) from ``.venv-peers``;
+the oracle (asks every engine for its true hit before each request); and the bench's own
+naive text-prefix and round-robin proxies.
+
+``--smoke`` runs a two-engine fleet, a short trace and two routers in well under a minute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from bench.fleet import FleetError, delta, scrape, start_fleet
+from bench.loadgen import LoadConfig, progress_printer, run_trace
+from bench.peers import find_peers
+from bench.procs import ProcessGroup
+from bench.report import routing_markdown, routing_plot
+from bench.routers import (
+    ROUTERS,
+    RouterUnavailable,
+    kvroute_available,
+    kvroute_predictions,
+    start_router,
+)
+from bench.stats import summarize
+from bench.textgen import TokenSpace
+from bench.trace import TraceRequest, from_mooncake, read_jsonl, read_mooncake
+from bench.workload import PRESETS, describe, generate
+
+RESULTS = Path(__file__).resolve().parent / "results"
+# The simulated GPU runs 5x slower than the modelled H100 so that its time, not the CPU noise
+# of a small shared machine, dominates TTFT; 2048 blocks (32k tokens) per engine make caches
+# fill and evict under the default trace, so where a prefix lives matters.
+FULL_FLEET_ARGS = ("--speed", "0.2", "--num-blocks", "2048")
+SMOKE_FLEET_ARGS = ("--speed", "1.0", "--num-blocks", "2048")
+PROFILES = ("dense", "swa", "mamba")
+FULL_ROUTERS = (
+    "kvroute",
+    "kvroute-fa-only",
+    "kvroute-session",
+    "kvroute-least-load",
+    "kvroute-round-robin",
+    "smg-cache-aware",
+    "smg-round-robin",
+    "vllm-router",
+    "oracle",
+)
+SMOKE_ROUTERS = ("kvroute", "kvroute-round-robin")
+# Until the router lands, the smoke run compares the bench's own proxies.
+SMOKE_FALLBACK = ("bench-prefix", "bench-round-robin")
+
+
+@dataclass
+class BenchConfig:
+    profiles: tuple[str, ...]
+    routers: tuple[str, ...]
+    workers: int
+    smoke: bool
+    trace_name: str
+    trace: list[TraceRequest]
+    load: LoadConfig
+    slo_ttft_s: float
+    out_dir: Path
+    fleet_args: tuple[str, ...] = ()
+    notes: list[str] = field(default_factory=list)
+    suffix: str = ""
+
+
+def run_router(cfg: BenchConfig, profile: str, name: str, run_dir: Path) -> dict[str, Any]:
+    """One router on a fresh fleet: the result row (status ok / unavailable / failed)."""
+    spec = ROUTERS[name]
+    row: dict[str, Any] = {"name": name, "label": spec.label, "status": "ok"}
+    peers = find_peers()
+    t0 = time.monotonic()
+    with ProcessGroup(run_dir / "logs" / name) as pg:
+        try:
+            fleet = start_fleet(
+                pg,
+                workers=cfg.workers,
+                profile=profile,
+                run_dir=run_dir,
+                extra_args=cfg.fleet_args,
+            )
+            router = start_router(pg, spec, fleet, peers)
+        except RouterUnavailable as exc:
+            return {**row, "status": "unavailable", "reason": str(exc)}
+        except (FleetError, RuntimeError, TimeoutError) as exc:
+            return {**row, "status": "failed", "reason": str(exc)[:2000]}
+        print(f"[{profile}] {name}: replaying {len(cfg.trace)} requests", file=sys.stderr)
+        before = scrape(fleet.engines)
+        load = replace(cfg.load, url=router.url, model=fleet.model)
+        records = asyncio.run(
+            run_trace(cfg.trace, load, progress_printer(len(cfg.trace), every=100))
+        )
+        after = scrape(fleet.engines)
+        if spec.kind == "kvroute":
+            row["prediction"] = kvroute_predictions(router.url)
+    summary = summarize(records, cfg.slo_ttft_s)
+    row.update(delta(before, after))
+    row["summary"] = summary.to_json()
+    row["wall_s"] = round(time.monotonic() - t0, 1)
+    with open(run_dir / f"{name}.records.jsonl", "w", encoding="utf-8") as out:
+        for r in records:
+            out.write(json.dumps(r.to_json()) + "\n")
+    s = summary
+    print(
+        f"[{profile}] {name}: cached {row['engine_cached_tokens']:,}/"
+        f"{row['engine_prompt_tokens']:,} engine tokens (usage: {s.cached_ratio:.1%}), "
+        f"TTFT p50 {s.ttft_p50} p99 {s.ttft_p99}, {s.errors} errors",
+        file=sys.stderr,
+    )
+    return row
+
+
+def run_profile(cfg: BenchConfig, profile: str, command: str) -> dict[str, Any]:
+    run_dir = cfg.out_dir / "runs" / f"routing_{profile}{cfg.suffix}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    rows = [run_router(cfg, profile, name, run_dir) for name in cfg.routers]
+    info = describe(cfg.trace)
+    mode = (
+        f"closed loop, {cfg.load.concurrency} in flight"
+        if cfg.load.time_scale is None
+        else f"open loop at {cfg.load.time_scale}x trace time"
+        + (f", at most {cfg.load.concurrency} in flight" if cfg.load.concurrency else "")
+    )
+    result: dict[str, Any] = {
+        "benchmark": "routing",
+        "profile": profile,
+        "smoke": cfg.smoke,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "command": command,
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+        },
+        "fleet": {"workers": cfg.workers, "profile": profile, "args": list(cfg.fleet_args)},
+        "trace": {"name": cfg.trace_name, **info},
+        "replay": mode,
+        "slo_ttft_s": cfg.slo_ttft_s,
+        "notes": cfg.notes,
+        "routers": rows,
+    }
+    stem = cfg.out_dir / f"routing_{profile}{cfg.suffix}"
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+    stem.with_suffix(".md").write_text(routing_markdown(result))
+    routing_plot(result, stem.with_suffix(".png"))
+    print(routing_markdown(result))
+    return result
+
+
+def build_config(args: argparse.Namespace) -> BenchConfig:
+    space = TokenSpace.discover()
+    notes: list[str] = []
+    if args.mooncake:
+        trace = from_mooncake(
+            read_mooncake(args.mooncake), space, time_scale=1.0, max_output_tokens=256
+        )
+        trace_name = f"mooncake:{Path(args.mooncake).name}"
+    elif args.trace:
+        trace = read_jsonl(args.trace)
+        trace_name = Path(args.trace).name
+    else:
+        preset = args.preset or ("smoke" if args.smoke else "default")
+        spec = PRESETS[preset]
+        if args.seed is not None:
+            spec = replace(spec, seed=args.seed)
+        if args.duration is not None:
+            spec = replace(spec, duration_s=args.duration)
+        trace = generate(spec, space)
+        trace_name = f"preset {preset}, seed {spec.seed}"
+    if not space.exact:
+        notes.append("token lengths approximate: the sim tokenizer was not found")
+    if args.routers:
+        routers = tuple(r.strip() for r in args.routers.split(",") if r.strip())
+    elif args.smoke:
+        routers = SMOKE_ROUTERS
+        if kvroute_available() is not None:
+            routers = SMOKE_FALLBACK
+            notes.append("kvroute router not available: smoke compares the bench's proxies")
+    else:
+        routers = FULL_ROUTERS
+    unknown = [r for r in routers if r not in ROUTERS]
+    if unknown:
+        raise SystemExit(f"unknown routers {unknown}; known: {sorted(ROUTERS)}")
+    profiles = PROFILES if args.profile == "all" else (args.profile,)
+    load = LoadConfig(
+        url="",
+        model="",
+        time_scale=None if args.closed else args.time_scale,
+        concurrency=args.concurrency,
+        request_timeout_s=args.timeout,
+        deadline_s=args.deadline,
+    )
+    return BenchConfig(
+        profiles=profiles,
+        routers=routers,
+        workers=args.workers or (2 if args.smoke else 4),
+        smoke=args.smoke,
+        trace_name=trace_name,
+        trace=trace,
+        load=load,
+        slo_ttft_s=args.slo_ttft,
+        out_dir=Path(args.out_dir),
+        fleet_args=tuple(shlex.split(args.fleet_args))
+        if args.fleet_args is not None
+        else (SMOKE_FLEET_ARGS if args.smoke else FULL_FLEET_ARGS),
+        notes=notes,
+        suffix="_smoke" if args.smoke else "",
+    )
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.routing_bench", description=__doc__)
+    p.add_argument("--profile", choices=(*PROFILES, "all"), default="all")
+    p.add_argument("--smoke", action="store_true")
+    p.add_argument("--routers", default=None, help=f"comma list of {sorted(ROUTERS)}")
+    p.add_argument("--workers", type=int, default=None)
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--duration", type=float, default=None, help="session start window (s)")
+    p.add_argument("--trace", default=None, help="replay this kvroute JSONL trace")
+    p.add_argument("--mooncake", default=None, help="replay this Mooncake trace")
+    p.add_argument("--time-scale", type=float, default=1.0)
+    p.add_argument("--closed", action="store_true", help="closed loop (needs --concurrency)")
+    p.add_argument("--concurrency", type=int, default=None)
+    p.add_argument("--timeout", type=float, default=60.0, help="per request (s)")
+    p.add_argument("--deadline", type=float, default=None, help="stop sending after (s)")
+    p.add_argument("--slo-ttft", type=float, default=0.5, help="TTFT SLO for goodput (s)")
+    p.add_argument(
+        "--fleet-args",
+        default=None,
+        help=f"args for `kvroute sim fleet` (default: {shlex.join(FULL_FLEET_ARGS)})",
+    )
+    p.add_argument("--out-dir", default=str(RESULTS))
+    args = p.parse_args(argv)
+    if args.closed and not args.concurrency:
+        p.error("--closed needs --concurrency")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    cfg = build_config(args)
+    command = "python -m bench.routing_bench " + shlex.join(
+        list(argv) if argv is not None else sys.argv[1:]
+    )
+    cfg.out_dir.mkdir(parents=True, exist_ok=True)
+    failed = 0
+    for profile in cfg.profiles:
+        result = run_profile(cfg, profile, command)
+        failed += sum(1 for r in result["routers"] if r["status"] == "failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

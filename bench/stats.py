@@ -1,0 +1,122 @@
+"""Per-request records of a load run and their summary."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """What happened to one request (times in seconds from the start of the run)."""
+
+    id: str
+    session: str
+    kind: str
+    scheduled: float  # when the trace wanted it sent (open loop), or 0
+    sent: float = math.nan
+    ttft: float | None = None  # first content chunk
+    latency: float | None = None  # end of the response
+    prompt_tokens: int | None = None  # from usage
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens
+    output_tokens: int = 0  # usage.completion_tokens, else content chunks counted
+    status: int | None = None  # HTTP status
+    error: str | None = None
+    worker: str | None = None  # from a response header naming the worker, when a router sets one
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.status == 200
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """Linear-interpolated percentile (q in [0, 100]); None for no values."""
+    if not values:
+        return None
+    xs = sorted(values)
+    if len(xs) == 1:
+        return xs[0]
+    pos = (len(xs) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+@dataclass(slots=True)
+class Summary:
+    """Aggregate of a run. Token ratios count only requests the engine answered."""
+
+    requests: int
+    ok: int
+    errors: int
+    duration_s: float
+    prompt_tokens: int
+    cached_tokens: int
+    cached_ratio: float
+    output_tokens: int
+    ttft_p50: float | None
+    ttft_p90: float | None
+    ttft_p99: float | None
+    ttft_mean: float | None
+    latency_p50: float | None
+    latency_p99: float | None
+    req_per_s: float
+    output_tok_per_s: float
+    slo_ttft_s: float
+    goodput_req_per_s: float  # OK requests with TTFT <= SLO, per second
+    slo_attainment: float  # fraction of all requests that were OK and met the SLO
+    error_kinds: dict[str, int]
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _r(x: float | None, nd: int = 4) -> float | None:
+    return None if x is None else round(x, nd)
+
+
+def summarize(records: Sequence[RequestRecord], slo_ttft_s: float) -> Summary:
+    """Summary of ``records`` (duration = first send to last completion)."""
+    ok = [r for r in records if r.ok]
+    ttfts = [r.ttft for r in ok if r.ttft is not None]
+    lats = [r.latency for r in ok if r.latency is not None]
+    sent = [r.sent for r in records if not math.isnan(r.sent)]
+    ends = [r.sent + r.latency for r in ok if r.latency is not None]
+    duration = (max(ends) - min(sent)) if ends and sent else 0.0
+    good = sum(1 for r in ok if r.ttft is not None and r.ttft <= slo_ttft_s)
+    prompt = sum(r.prompt_tokens or 0 for r in ok)
+    cached = sum(r.cached_tokens or 0 for r in ok)
+    output = sum(r.output_tokens for r in ok)
+    kinds: dict[str, int] = {}
+    for r in records:
+        if not r.ok:
+            key = f"http {r.status}" if r.status not in (None, 200) else (r.error or "?")[:60]
+            kinds[key] = kinds.get(key, 0) + 1
+    per_s = (lambda n: n / duration) if duration > 0 else (lambda n: 0.0)
+    return Summary(
+        requests=len(records),
+        ok=len(ok),
+        errors=len(records) - len(ok),
+        duration_s=round(duration, 3),
+        prompt_tokens=prompt,
+        cached_tokens=cached,
+        cached_ratio=round(cached / prompt, 4) if prompt else 0.0,
+        output_tokens=output,
+        ttft_p50=_r(percentile(ttfts, 50)),
+        ttft_p90=_r(percentile(ttfts, 90)),
+        ttft_p99=_r(percentile(ttfts, 99)),
+        ttft_mean=_r(sum(ttfts) / len(ttfts)) if ttfts else None,
+        latency_p50=_r(percentile(lats, 50)),
+        latency_p99=_r(percentile(lats, 99)),
+        req_per_s=round(per_s(len(ok)), 3),
+        output_tok_per_s=round(per_s(output), 1),
+        slo_ttft_s=slo_ttft_s,
+        goodput_req_per_s=round(per_s(good), 3),
+        slo_attainment=round(good / len(records), 4) if records else 0.0,
+        error_kinds=kinds,
+    )

@@ -1,0 +1,104 @@
+"""The load generator against a real simulated engine on loopback (the sim, in a thread)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from dataclasses import replace
+
+import pytest
+
+from bench.loadgen import LoadConfig, run_trace
+from bench.stats import RequestRecord, summarize
+from bench.textgen import TokenSpace
+from bench.trace import TraceRequest
+from bench.workload import PRESETS, generate
+from sim.engine.core import EngineConfig
+from sim.server import SimEngineThread
+
+MODEL = "kvroute-sim"
+
+
+@pytest.fixture(scope="module")
+def trace() -> list[TraceRequest]:
+    return generate(PRESETS["smoke"], TokenSpace.discover())
+
+
+@pytest.fixture()
+def engine() -> Iterator[SimEngineThread]:
+    with SimEngineThread(EngineConfig(model=MODEL, speed=2.0)) as sim:
+        yield sim
+
+
+def _run(trace: list[TraceRequest], cfg: LoadConfig) -> list[RequestRecord]:
+    return asyncio.run(run_trace(trace, cfg))
+
+
+def test_open_loop_keeps_sessions_in_order_and_reads_usage(
+    engine: SimEngineThread, trace: list[TraceRequest]
+) -> None:
+    recs = _run(trace, LoadConfig(url=engine.url, model=MODEL, time_scale=2.0))
+    assert len(recs) == len(trace)
+    assert all(r.ok for r in recs), [r.error for r in recs if not r.ok]
+    by_id = {r.id: r for r in recs}
+    for req in trace:
+        rec = by_id[req.id]
+        assert rec.ttft is not None and rec.latency is not None and rec.ttft <= rec.latency
+        assert rec.sent >= rec.scheduled - 0.005  # never early
+        assert rec.scheduled == pytest.approx(req.t / 2.0)
+        assert rec.output_tokens == req.max_tokens  # ignore_eos: exactly what the trace asks
+        assert rec.prompt_tokens is not None and rec.prompt_tokens >= req.prompt_tokens
+        if req.turn > 0:
+            prev = by_id[f"{req.session}-t{req.turn - 1:02d}"]
+            assert prev.latency is not None
+            # Not before the previous answer plus the (scaled) think time.
+            assert rec.sent >= prev.sent + prev.latency + req.think_time - 0.005
+            # One engine: a follow-up turn reuses at least the previous prompt's full blocks.
+            assert rec.cached_tokens is not None and prev.prompt_tokens is not None
+            assert rec.cached_tokens >= prev.prompt_tokens // 16 * 16 - 16
+    s = summarize(recs, slo_ttft_s=10.0)
+    assert s.cached_ratio > 0.3 and s.goodput_req_per_s == s.req_per_s > 0
+
+
+def test_closed_loop_bounds_concurrency(engine: SimEngineThread, trace: list[TraceRequest]) -> None:
+    cfg = LoadConfig(url=engine.url, model=MODEL, time_scale=None, concurrency=2, think_scale=0)
+    recs = _run(trace, cfg)
+    assert all(r.ok for r in recs) and len(recs) == len(trace)
+    events = sorted(
+        [(r.sent, 1) for r in recs] + [(r.sent + (r.latency or 0.0), -1) for r in recs],
+        key=lambda e: (e[0], e[1]),
+    )
+    inflight = peak = 0
+    for _, d in events:
+        inflight += d
+        peak = max(peak, inflight)
+    assert peak == 2
+
+
+def test_live_history_sends_the_engines_own_answers(
+    engine: SimEngineThread, trace: list[TraceRequest]
+) -> None:
+    chat = [r for r in trace if r.session == "chat-0001"]
+    assert len(chat) >= 2
+    recs = _run(chat, LoadConfig(url=engine.url, model=MODEL, time_scale=None, live_history=True))
+    assert all(r.ok for r in recs)
+    # The engine cached its own answer, so the next turn hits beyond the previous prompt.
+    first, second = recs[0], recs[1]
+    assert first.prompt_tokens is not None and second.cached_tokens is not None
+    assert second.cached_tokens > first.prompt_tokens // 16 * 16
+
+
+def test_errors_and_deadline_are_recorded(
+    engine: SimEngineThread, trace: list[TraceRequest]
+) -> None:
+    bad = [replace(trace[0], model="no-such-model")]
+    (rec,) = _run(bad, LoadConfig(url=engine.url, model=MODEL))
+    assert not rec.ok and rec.status == 404 and rec.error is not None
+    assert summarize([rec], 1.0).error_kinds == {"http 404": 1}
+
+    late = [replace(r, t=r.t + 5.0) for r in trace[:3]]
+    assert _run(late, LoadConfig(url=engine.url, model=MODEL, deadline_s=0.5)) == []
+
+    closed = LoadConfig(url="http://127.0.0.1:9", model=MODEL, request_timeout_s=2.0)
+    (down,) = _run(trace[:1], closed)
+    assert not down.ok and down.status is None and "Connect" in (down.error or "")

@@ -1,0 +1,166 @@
+"""Bench helpers that need no fleet: process groups, statistics, reports, summary."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from bench.fleet import EngineCounters, delta, parse_counters
+from bench.procs import ProcessGroup, free_port, group_alive, wait_http
+from bench.report import routing_markdown, routing_plot
+from bench.run_all import write_summary
+from bench.stats import RequestRecord, percentile, summarize
+
+# A child that starts two grandchildren and ignores SIGTERM: the worst case for cleanup.
+_STUBBORN = """
+import signal, subprocess, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+for _ in range(2):
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def test_process_group_kills_children_and_grandchildren(tmp_path: Path) -> None:
+    with ProcessGroup(tmp_path, term_timeout_s=0.5) as pg:
+        child = pg.start("stubborn", [sys.executable, "-c", _STUBBORN])
+        deadline = time.monotonic() + 10
+        while "ready" not in child.log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        pgid = child.popen.pid
+        assert group_alive(pgid)
+    deadline = time.monotonic() + 5
+    while group_alive(pgid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not group_alive(pgid)
+    assert pg.children == []
+
+
+def test_wait_http_times_out_on_a_closed_port() -> None:
+    port = free_port()
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError):
+        wait_http(f"http://127.0.0.1:{port}/health", 0.5)
+    assert time.monotonic() - t0 < 3
+
+
+def test_percentile() -> None:
+    assert percentile([], 50) is None
+    assert percentile([3.0], 99) == 3.0
+    assert percentile([1.0, 2.0, 3.0, 4.0, 5.0], 50) == 3.0
+    assert percentile([0.0, 10.0], 90) == pytest.approx(9.0)
+
+
+def _rec(i: int, ttft: float | None, ok: bool = True, cached: int = 0) -> RequestRecord:
+    return RequestRecord(
+        id=f"r{i}",
+        session="s",
+        kind="chat",
+        scheduled=0.0,
+        sent=float(i),
+        ttft=ttft,
+        latency=None if ttft is None else ttft + 1.0,
+        prompt_tokens=100,
+        cached_tokens=cached,
+        output_tokens=10,
+        status=200 if ok else 503,
+        error=None if ok else "http 503: busy",
+    )
+
+
+def test_summary_counts_goodput_and_errors() -> None:
+    recs = [_rec(0, 0.5, cached=50), _rec(1, 2.0, cached=0), _rec(2, None, ok=False)]
+    s = summarize(recs, slo_ttft_s=1.0)
+    assert (s.requests, s.ok, s.errors) == (3, 2, 1)
+    assert s.prompt_tokens == 200 and s.cached_tokens == 50 and s.cached_ratio == 0.25
+    assert s.duration_s == pytest.approx(4.0)  # first send 0, last end: sent 1 + latency 3
+    assert s.goodput_req_per_s == pytest.approx(0.25, abs=1e-3)
+    assert s.slo_attainment == pytest.approx(1 / 3, abs=1e-3)
+    assert s.error_kinds == {"http 503": 1}
+    empty = summarize([], 1.0)
+    assert empty.requests == 0 and empty.req_per_s == 0.0 and math.isfinite(empty.duration_s)
+
+
+_METRICS = """# HELP vllm:prefix_cache_queries Prefix cache queries (tokens).
+# TYPE vllm:prefix_cache_queries counter
+vllm:prefix_cache_queries_total{engine="0",model_name="m"} 1000.0
+vllm:prefix_cache_queries_created{engine="0",model_name="m"} 1.7e9
+# HELP vllm:prefix_cache_hits Prefix cache hits (tokens).
+# TYPE vllm:prefix_cache_hits counter
+vllm:prefix_cache_hits_total{engine="0",model_name="m"} 400.0
+# TYPE vllm:request_success counter
+vllm:request_success_total{finished_reason="stop",model_name="m"} 3.0
+vllm:request_success_total{finished_reason="length",model_name="m"} 4.0
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{model_name="m"} 2.0
+"""
+
+
+def test_engine_counters_from_prometheus_text() -> None:
+    c = parse_counters(_METRICS)
+    assert c == EngineCounters(
+        prefix_cache_queries=1000.0, prefix_cache_hits=400.0, requests_ok=7.0
+    )
+    d = delta([EngineCounters(100.0, 40.0, 1.0), EngineCounters()], [c, c])
+    assert d["engine_prompt_tokens"] == 1900 and d["engine_cached_tokens"] == 760
+    assert d["per_engine_requests"] == [6, 7]
+
+
+def _result(profile: str, smoke: bool = False) -> dict[str, object]:
+    summary = summarize([_rec(0, 0.5, cached=50), _rec(1, 0.7, cached=60)], 1.0).to_json()
+    return {
+        "benchmark": "routing",
+        "profile": profile,
+        "smoke": smoke,
+        "slo_ttft_s": 1.0,
+        "trace": {"name": "t", "requests": 2, "prompt_tokens": 200},
+        "fleet": {"workers": 2, "profile": profile},
+        "routers": [
+            {
+                "name": "oracle",
+                "label": "oracle",
+                "status": "ok",
+                "summary": summary,
+                "engine_cached_tokens": 120,
+                "engine_prompt_tokens": 200,
+            },
+            {
+                "name": "kvroute",
+                "label": "kvroute",
+                "status": "ok",
+                "summary": summary,
+                "engine_cached_tokens": 114,
+                "engine_prompt_tokens": 200,
+            },
+            {"name": "smg", "label": "smg", "status": "unavailable", "reason": "not installed"},
+        ],
+    }
+
+
+def test_report_and_summary(tmp_path: Path) -> None:
+    res = _result("dense")
+    md = routing_markdown(res)
+    assert "| kvroute | 114 | 57.0% | 95.0% |" in md
+    assert "unavailable: not installed" in md
+    routing_plot(res, tmp_path / "routing_dense.png")
+    assert (tmp_path / "routing_dense.png").read_bytes()[:4] == b"\x89PNG"
+    (tmp_path / "routing_dense.json").write_text(json.dumps(res))
+    (tmp_path / "routing_dense.md").write_text(md)
+    (tmp_path / "routing_swa_smoke.md").write_text(routing_markdown(_result("swa", smoke=True)))
+    (tmp_path / "index.md").write_text("# Index\n\n| a | b |\n")
+    out = write_summary(tmp_path, [{"name": "routing", "status": "ok", "wall_s": 1.0}])
+    text = out.read_text()
+    assert "## routing_dense" in text and "### Routing benchmark: profile `dense`" in text
+    assert "![routing_dense](routing_dense.png)" in text
+    assert "swa" not in text  # smoke results stay out of the summary
+    assert text.index("routing_dense") < text.index("## index") < text.index("Not measured")
+    assert "- overhead" in text  # listed as not measured yet
+    assert "- routing: ok (1.0 s)" in text
+    assert os.path.exists(out)

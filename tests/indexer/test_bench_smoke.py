@@ -1,0 +1,19 @@
+"""The indexer benchmark's --smoke mode runs and writes its results."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from bench import index_bench
+
+
+def test_index_bench_smoke(tmp_path: Path) -> None:
+    assert index_bench.main(["--smoke", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "index-smoke.json").read_text())
+    assert {r["layout"] for r in result["score"]} == {"full", "hybrid"}
+    for row in result["score"]:
+        assert row["hot"]["median_ms"] > 0 and row["best_hit"] > 0
+    assert all(r["rate"] > 0 for r in result["ingest"])
+    assert all(0 < r["bytes_per_entry"] < 10_000 for r in result["memory"])
+    assert "| layout |" in (tmp_path / "index-smoke.md").read_text()

@@ -11,7 +11,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from bench.procs import Bridge, Engine, Loopback, Router
+from bench.loopback import Bridge, Engine, Loopback, Router
 from bench.traffic import completion_body, eventually, post_json, predictions, score, workers
 
 ENGINE_ARGS = ("--speed", "200", "--max-num-seqs", "512")

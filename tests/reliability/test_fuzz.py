@@ -25,7 +25,7 @@ from google.protobuf.message import DecodeError
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bench.procs import ADMIN_TOKEN, MODEL
+from bench.loopback import ADMIN_TOKEN, MODEL
 from indexer import FleetIndex, Namespace
 from proto import events_pb2
 from router.app import create_app

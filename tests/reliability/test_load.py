@@ -13,7 +13,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from bench.procs import Loopback
+from bench.loopback import Loopback
 from bench.reliability_bench import Expected, Outcome, burst, prompts, sustained
 from bench.traffic import metric, metrics
 

@@ -13,7 +13,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from bench.procs import Loopback, Router
+from bench.loopback import Loopback, Router
 from bench.traffic import (
     completion_body,
     eventually,

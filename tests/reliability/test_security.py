@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from bench.procs import ADMIN_TOKEN, Loopback
+from bench.loopback import ADMIN_TOKEN, Loopback
 from bench.traffic import completion_body, eventually, post_json, predictions, score, session
 from tests.reliability.workload import documents
 from tests.router.fake_engine import EngineScript, make_engine, serve

@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_REPLAY_TIMEOUT: Final = 5.0
 DEFAULT_SUB_HWM: Final = 100_000
+_IDLE_POLL_MS: Final = 100
 
 
 @dataclass(frozen=True)
@@ -120,6 +121,9 @@ class EngineFollower:
         watcher = asyncio.ensure_future(self._watch(monitor))
         try:
             while True:
+                if not await sub.poll(_IDLE_POLL_MS):
+                    await self._join_idle()
+                    continue
                 frames = await sub.recv_multipart()
                 await self.on_live(frames)
                 # A ready message completes without suspending: let subscribers' writers run.
@@ -145,6 +149,10 @@ class EngineFollower:
                 self._reconnected = True
                 self._metrics.engine_connected.labels(self._label).set(0)
                 log.warning("rank %s: engine disconnected; waiting", self._label)
+                # The engine may have crashed or restarted, its cache with it; a view kept
+                # until it publishes again could only give routers stale hits.
+                if self._last is not None:
+                    self._reset("disconnect", None)
 
     def _close_dealer(self) -> None:
         if self._dealer is not None:
@@ -192,6 +200,14 @@ class EngineFollower:
             self._metrics.gaps.labels(self._label).inc()
             await self._recover(message)
         self._live_high = seq if self._live_high is None else max(self._live_high, seq)
+
+    async def _join_idle(self) -> None:
+        """Connected to an engine that is quiet: take what its replay buffer holds now
+        instead of waiting for its next batch (a bridge restarted beside an idle engine
+        would otherwise show routers an empty cache)."""
+        if self.connected and not self._joined and self.endpoints.replay:
+            await self._replay(0, joining=True)
+            self._joined = True
 
     async def _join(self, message: LiveMessage) -> None:
         """First message of a (re)started view: replay from 0 if the engine can."""

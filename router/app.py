@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import importlib
 import logging
 import time
@@ -163,7 +164,7 @@ def create_app(
     *,
     index: IndexView | None = None,
     tokenizers: TokenizerLike | None = None,
-    transport_factory: TransportFactory = default_transport,
+    transport_factory: TransportFactory | None = None,
     clock: Callable[[], float] = time.monotonic,
 ) -> Starlette:
     """Build the router app. The returned app's `state.kvroute` holds its `Components`."""
@@ -175,6 +176,8 @@ def create_app(
         on_breaker_change=lambda w, old, new: metrics.breaker_transitions.labels(w.name, new).inc(),
     )
     index = index if index is not None else build_index(cfg)
+    if transport_factory is None:
+        transport_factory = functools.partial(default_transport, cfg=cfg.events)
     events = EventSubscriptions(index, cfg.events, metrics, transport_factory, clock)
     registry.listen(events)
     verifier = Verifier(cfg.verify, metrics, events.resync, clock)

@@ -93,6 +93,7 @@ def main(argv: list[str]) -> int:
         "server_header": False,
         "log_level": config.log_level,
         "timeout_graceful_shutdown": int(config.timeouts.shutdown_s),
+        "timeout_keep_alive": int(config.timeouts.keep_alive_s),
         "backlog": 4096,
     }
     if config.processes > 1:

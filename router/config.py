@@ -118,6 +118,11 @@ class TimeoutsConfig:
     read_idle_s: float = _f(600.0, "upstream silence (no byte) longer than this fails the call")
     health_s: float = _f(2.0, "timeout of one health / models / metrics probe")
     retry_after_s: int = _f(1, "Retry-After seconds sent with 503 when no worker can serve")
+    keep_alive_s: float = _f(
+        75.0,
+        "idle client connections are kept this long; above load balancers' idle timeouts "
+        "(60 s is common), so the router never closes a connection a client is reusing",
+    )
     shutdown_s: float = _f(30.0, "on shutdown, wait this long for streams to finish")
 
 
@@ -157,6 +162,10 @@ class LoadConfig:
 class EventsConfig:
     reconnect_initial_s: float = _f(0.2, "first wait before re-subscribing to a lost stream")
     reconnect_max_s: float = _f(5.0, "upper bound of the reconnect backoff")
+    keepalive_s: float = _f(
+        20.0, "gRPC keepalive ping period on bridge streams (finds a silently cut network)"
+    )
+    keepalive_timeout_s: float = _f(10.0, "a keepalive ping unanswered this long drops the stream")
     max_entries_per_worker: int = _f(2_000_000, "index entries kept per worker (LRU beyond)")
     max_pending_per_worker: int = _f(100_000, "unresolved reported blocks kept per worker")
     snapshot_step_blocks: int = _f(

@@ -149,6 +149,12 @@ class RouterMetrics:
             ["worker"],
             registry=r,
         )
+        self.event_bad_messages = Counter(
+            "kvroute_event_bad_messages",
+            "Undecodable messages from a bridge (the stream is dropped and resubscribed)",
+            ["worker"],
+            registry=r,
+        )
         self.event_apply_seconds = Histogram(
             "kvroute_event_apply_seconds",
             "Time to apply one batch or snapshot to the index (on the event loop)",

@@ -73,7 +73,7 @@ def parse_request(
     """Decode and check a request body; raises RouterError (400) with the offending param."""
     try:
         body = _decoder.decode(raw)
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
         raise RouterError(INVALID_JSON, f"request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise RouterError(INVALID_JSON, "request body must be a JSON object")

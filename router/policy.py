@@ -269,8 +269,10 @@ class TTFTPolicy(Policy):
         )
 
 
-def _ttft_key(c: Candidate) -> tuple[float, int, int]:
-    return (c.est_ttft_s, -(c.reuse or 0), c.running)
+def _ttft_key(c: Candidate) -> tuple[float, int, int, str]:
+    # The name breaks exact ties, so replicas whose registries list the workers in different
+    # orders (discovery events arrive in any order) still make the same choice.
+    return (c.est_ttft_s, -(c.reuse or 0), c.running, c.name)
 
 
 class FullAttentionOnlyPolicy(TTFTPolicy):

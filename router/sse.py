@@ -48,7 +48,7 @@ def usage_from_json(body: bytes) -> Usage | None:
     """Usage of a whole (non-streamed) JSON response; None if absent or not JSON."""
     try:
         chunk = _chunk_decoder.decode(body)
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError):
         return None
     return _usage_of(chunk)
 
@@ -123,7 +123,7 @@ class SseFilter:
                 continue
             try:
                 chunk = _chunk_decoder.decode(payload)
-            except (msgspec.DecodeError, msgspec.ValidationError):
+            except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError):
                 return False
             usage = _usage_of(chunk)
             if usage is None:

@@ -53,7 +53,9 @@ class Upstream:
         connector = aiohttp.TCPConnector(
             limit=self._limits.upstream_connections,
             limit_per_host=0,
-            keepalive_timeout=60.0,
+            # below the engines' own idle timeout (vLLM's uvicorn: 5 s), so a pooled
+            # connection is never reused just as the engine closes it
+            keepalive_timeout=4.0,
             ttl_dns_cache=300,
         )
         self._session = aiohttp.ClientSession(

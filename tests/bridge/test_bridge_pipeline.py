@@ -140,9 +140,10 @@ def test_gap_recovered_by_replay(version: str) -> None:
         await rec.wait_for(lambda: len(rec.batches()) == 4)
         assert [b.sequence for b in rec.batches()] == [0, 1, 2, 3]
         assert len(rec.snapshots()) == 1  # only the initial one: no reset
-        assert engine.replay_requests == [1]
+        # (a join from 0 may come first: the bridge asks a quiet engine for its buffer)
+        assert engine.replay_requests[-1] == 1 and set(engine.replay_requests[:-1]) <= {0}
         assert metric(bridge, "kvroute_bridge_gaps_total") == 1
-        assert metric(bridge, "kvroute_bridge_replays_total", outcome="recovered") == 1
+        assert metric(bridge, "kvroute_bridge_replays_total", outcome="recovered") >= 1
         assert len(rec.view.counts) == 4
 
     run(main)
@@ -190,13 +191,15 @@ def test_engine_restart_resets_view() -> None:
         old_id = rec.position.stream_id
         await engine.close()
         await eventually(lambda: not bridge.ready)
+        # the engine (and its cache) is gone: the view is emptied at once, not when it is back
+        await rec.wait_for(lambda: not rec.view.counts and rec.position.stream_id != old_id)
         engine = rig.engine(pub_port=engine.pub_port, replay_port=engine.replay_port)
         await connected(bridge)
         await engine.publish([store([100], None, TOKENS[:16])])
         await rec.wait_for(lambda: (0, be(100)) in rec.view.counts)
         assert rec.position.stream_id != old_id
         assert set(rec.view.counts) == {(0, be(100))}
-        assert rec.snapshots()[-1].reason in ("reconnect", "restart")
+        assert rec.snapshots()[-1].reason in ("disconnect", "reconnect", "restart")
 
     run(main)
 
@@ -228,6 +231,22 @@ def test_bridge_joins_running_engine_through_replay() -> None:
         rec = rig.recorder(bridge)
         await connected(bridge)
         await engine.publish([store([6], 5, TOKENS[:16])])
+        await rec.wait_for(lambda: rec.position.sequence == 5)
+        assert engine.replay_requests == [0] and len(rec.view.counts) == 6
+
+    run(main)
+
+
+def test_bridge_beside_a_quiet_engine_takes_its_buffer_without_a_new_batch() -> None:
+    async def main(rig: Rig) -> None:
+        engine = rig.engine()
+        for i in range(5):  # published before the bridge existed; then the engine is idle
+            await engine.publish([store([i + 1], i or None, TOKENS[:16])])
+        bridge = await rig.bridge(engine.endpoints())
+        rec = rig.recorder(bridge)
+        await rec.wait_for(lambda: len(rec.view.counts) == 5)
+        assert engine.replay_requests == [0] and rec.position.sequence == 4
+        await engine.publish([store([6], 5, TOKENS[:16])])  # then live, in order
         await rec.wait_for(lambda: rec.position.sequence == 5)
         assert engine.replay_requests == [0] and len(rec.view.counts) == 6
 

@@ -13,6 +13,7 @@ before and after a run.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 import urllib.request
@@ -42,6 +43,15 @@ class Fleet:
     child: Child
 
 
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def vllm_python() -> str | None:
+    """The interpreter of the vLLM environment (``$KVROUTE_VLLM_PYTHON`` or ./.venv-vllm)."""
+    candidate = os.environ.get("KVROUTE_VLLM_PYTHON") or str(ROOT / ".venv-vllm" / "bin" / "python")
+    return candidate if Path(candidate).exists() else None
+
+
 class FleetError(RuntimeError):
     """The fleet did not come up (message includes the tail of its log)."""
 
@@ -60,12 +70,17 @@ def start_fleet(
     run_dir: Path,
     extra_args: Sequence[str] = (),
     timeout_s: float = 90.0,
+    python: str | None = None,
 ) -> Fleet:
-    """Start a fleet and wait until every engine answers; raises :class:`FleetError`."""
+    """Start a fleet and wait until every engine answers; raises :class:`FleetError`.
+
+    ``python`` runs the fleet with another interpreter (vLLM's, for ``--cache-backend vllm``),
+    with this checkout on its path.
+    """
     config = run_dir / f"fleet-{profile}.yaml"
     config.unlink(missing_ok=True)
     cmd = [
-        sys.executable,
+        python or sys.executable,
         "-m",
         "kvroute",
         "sim",
@@ -78,7 +93,8 @@ def start_fleet(
         str(config),
         *extra_args,
     ]
-    child = pg.start(f"fleet-{profile}", cmd)
+    env = {"PYTHONPATH": str(ROOT)} if python else None
+    child = pg.start(f"fleet-{profile}", cmd, env=env)
     deadline = time.monotonic() + timeout_s
     try:
         while not config.exists() or not config.stat().st_size:

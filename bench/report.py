@@ -98,16 +98,25 @@ def routing_markdown(result: dict[str, Any]) -> str:
     f = result.get("fleet", {})
     lines = [
         f"# Routing benchmark: profile `{result['profile']}`"
+        + (" on vLLM's KVCacheManager" if f.get("cache_backend") == "vllm" else "")
         + (" (smoke)" if result.get("smoke") else ""),
         "",
-        f"Fleet: {f.get('workers', '?')} simulated engines ({f.get('profile', '?')}), "
+        f"Fleet: {f.get('workers', '?')} simulated engines ({f.get('profile', '?')}, cache "
+        f"backend {f.get('cache_backend', 'sim')}), "
         f"trace: {t.get('name', '?')} ({t.get('requests', '?')} requests, "
         f"{t.get('prompt_tokens', 0):,} prompt tokens), replay: {result.get('replay', '?')}. "
         f"Cached tokens are the engines' own count (prefix-cache hits).",
         "",
         markdown_table(headers, rows),
     ]
-    notes = result.get("notes") or []
+    notes = list(result.get("notes") or [])
+    loads = [x for r in result["routers"] for x in r.get("loadavg_1m") or []]
+    if loads:
+        notes.append(
+            f"Machine load average (1 min) around the runs: {min(loads):.1f}-{max(loads):.1f} "
+            f"on {result.get('machine', {}).get('cpus', '?')} CPUs shared with other work; "
+            "TTFT includes that contention, so small TTFT differences are noise."
+        )
     if notes:
         lines += ["", *[f"- {n}" for n in notes]]
     lines += ["", f"Command: `{result.get('command', '')}`", ""]

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from bench.fleet import FleetError, delta, scrape, start_fleet
+from bench.fleet import FleetError, delta, scrape, start_fleet, vllm_python
 from bench.loadgen import LoadConfig, progress_printer, run_trace
 from bench.peers import find_peers
 from bench.procs import ProcessGroup
@@ -83,6 +83,8 @@ class BenchConfig:
     fleet_args: tuple[str, ...] = ()
     notes: list[str] = field(default_factory=list)
     suffix: str = ""
+    cache_backend: str = "sim"
+    fleet_python: str | None = None
 
 
 def run_router(cfg: BenchConfig, profile: str, name: str, run_dir: Path) -> dict[str, Any]:
@@ -99,6 +101,8 @@ def run_router(cfg: BenchConfig, profile: str, name: str, run_dir: Path) -> dict
                 profile=profile,
                 run_dir=run_dir,
                 extra_args=cfg.fleet_args,
+                python=cfg.fleet_python,
+                timeout_s=180.0 if cfg.fleet_python else 90.0,
             )
             router = start_router(pg, spec, fleet, peers)
         except RouterUnavailable as exc:
@@ -106,12 +110,15 @@ def run_router(cfg: BenchConfig, profile: str, name: str, run_dir: Path) -> dict
         except (FleetError, RuntimeError, TimeoutError) as exc:
             return {**row, "status": "failed", "reason": str(exc)[:2000]}
         print(f"[{profile}] {name}: replaying {len(cfg.trace)} requests", file=sys.stderr)
+        load_before = os.getloadavg()[0]
         before = scrape(fleet.engines)
         load = replace(cfg.load, url=router.url, model=fleet.model)
         records = asyncio.run(
             run_trace(cfg.trace, load, progress_printer(len(cfg.trace), every=100))
         )
         after = scrape(fleet.engines)
+        # The machine is shared: keep how busy it was, since TTFT includes CPU contention.
+        row["loadavg_1m"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
         if spec.kind == "kvroute":
             row["prediction"] = kvroute_predictions(router.url)
     summary = summarize(records, cfg.slo_ttft_s)
@@ -153,7 +160,12 @@ def run_profile(cfg: BenchConfig, profile: str, command: str) -> dict[str, Any]:
             "python": platform.python_version(),
             "platform": platform.platform(),
         },
-        "fleet": {"workers": cfg.workers, "profile": profile, "args": list(cfg.fleet_args)},
+        "fleet": {
+            "workers": cfg.workers,
+            "profile": profile,
+            "cache_backend": cfg.cache_backend,
+            "args": list(cfg.fleet_args),
+        },
         "trace": {"name": cfg.trace_name, **info},
         "replay": mode,
         "slo_ttft_s": cfg.slo_ttft_s,
@@ -211,6 +223,20 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
         request_timeout_s=args.timeout,
         deadline_s=args.deadline,
     )
+    fleet_args = (
+        tuple(shlex.split(args.fleet_args))
+        if args.fleet_args is not None
+        else (SMOKE_FLEET_ARGS if args.smoke else FULL_FLEET_ARGS)
+    )
+    suffix = "_smoke" if args.smoke else ""
+    fleet_python = None
+    if args.cache_backend == "vllm":
+        fleet_python = vllm_python()
+        if fleet_python is None:
+            raise SystemExit("--cache-backend vllm needs .venv-vllm (make vllm-env)")
+        fleet_args = (*fleet_args, "--cache-backend", "vllm")
+        suffix = "_vllm" + suffix
+        notes.append("engines use vLLM 0.33's own KVCacheManager (--cache-backend vllm)")
     return BenchConfig(
         profiles=profiles,
         routers=routers,
@@ -221,11 +247,11 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
         load=load,
         slo_ttft_s=args.slo_ttft,
         out_dir=Path(args.out_dir),
-        fleet_args=tuple(shlex.split(args.fleet_args))
-        if args.fleet_args is not None
-        else (SMOKE_FLEET_ARGS if args.smoke else FULL_FLEET_ARGS),
+        fleet_args=fleet_args,
         notes=notes,
-        suffix="_smoke" if args.smoke else "",
+        suffix=suffix,
+        cache_backend=args.cache_backend,
+        fleet_python=fleet_python,
     )
 
 
@@ -250,6 +276,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--fleet-args",
         default=None,
         help=f"args for `kvroute sim fleet` (default: {shlex.join(FULL_FLEET_ARGS)})",
+    )
+    p.add_argument(
+        "--cache-backend",
+        choices=("sim", "vllm"),
+        default="sim",
+        help="vllm: the engines use vLLM's real KVCacheManager (results routing_<profile>_vllm)",
     )
     p.add_argument("--out-dir", default=str(RESULTS))
     args = p.parse_args(argv)

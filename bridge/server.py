@@ -42,6 +42,10 @@ def kv_events_handler(
         # up on learns at once that its view is current again.
         await context.send_initial_metadata(())
         try:
+            # Headers now, not with the first message: a router that resumed with nothing
+            # missed gets no message until the engine's next batch, and reads the headers
+            # as "accepted, up to date" to trust its kept view again at once.
+            await context.send_initial_metadata(())
             while True:
                 yield await subscriber.queue.get()
         finally:

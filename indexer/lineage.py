@@ -189,10 +189,23 @@ class Lineage:
 
         `lineage` (a snapshot's) is applied first, as positions only.
         """
+        self.apply_events(events, lineage)
+        self.end_batch()
+
+    def apply_events(
+        self,
+        events: Sequence[events_pb2.KvGroupEvent],
+        lineage: Sequence[events_pb2.KvGroupEvent] = (),
+    ) -> None:
+        """`apply_batch` without its end: a batch applied in several calls, then
+        `end_batch` (the same result as one call)."""
         for event in lineage:
             self._guarded(self._place, event)
         for event in events:
             self._guarded(self._apply, event)
+
+    def end_batch(self) -> None:
+        """End a batch: release history no reported block and no pending report needs."""
         self._release()
 
     def _guarded(

@@ -168,6 +168,11 @@ class EventsConfig:
     keepalive_timeout_s: float = _f(10.0, "a keepalive ping unanswered this long drops the stream")
     max_entries_per_worker: int = _f(2_000_000, "index entries kept per worker (LRU beyond)")
     max_pending_per_worker: int = _f(100_000, "unresolved reported blocks kept per worker")
+    snapshot_step_blocks: int = _f(
+        1024,
+        "a snapshot is applied this many blocks at a time, serving requests in between "
+        "(the old view answers until the new one is complete)",
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -294,6 +294,7 @@ def validate(c: RouterConfig) -> list[str]:
     need(e.reconnect_max_s >= e.reconnect_initial_s, "events.reconnect_max_s: below initial")
     need(e.max_entries_per_worker >= 1, "events.max_entries_per_worker: expected >= 1")
     need(e.max_pending_per_worker >= 0, "events.max_pending_per_worker: expected >= 0")
+    need(e.snapshot_step_blocks >= 1, "events.snapshot_step_blocks: expected >= 1")
 
     v = c.verify
     need(v.window >= 1, "verify.window: expected >= 1")

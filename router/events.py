@@ -275,7 +275,7 @@ class EventSubscriptions:
                         self._go_live(name, status)
                     continue
                 try:
-                    self._handle(name, status, message)
+                    await self._handle(name, status, message)
                 except Exception as exc:  # a bad message must not kill the subscription
                     self._ratelog.error(
                         name, "events %s: cannot apply a message (%s); resynchronising", name, exc
@@ -300,14 +300,14 @@ class EventSubscriptions:
             await stream.aclose()  # type: ignore[attr-defined]
         return got
 
-    def _handle(
+    async def _handle(
         self, name: str, status: StreamStatus, message: events_pb2.SubscribeResponse
     ) -> None:
         started = time.perf_counter()
         kind = message.WhichOneof("message")
         if kind == "snapshot":
             snap = message.snapshot
-            self._index.apply_snapshot(name, snap)
+            started += await self._apply_snapshot(name, snap)
             status.snapshots += 1
             status.stream_id = snap.stream_id
             status.last_sequence = snap.sequence if snap.has_sequence else None
@@ -325,6 +325,23 @@ class EventSubscriptions:
             return
         self._metrics.event_apply_seconds.observe(time.perf_counter() - started)
         status.last_message_at = self._clock()
+
+    async def _apply_snapshot(self, name: str, snap: events_pb2.Snapshot) -> float:
+        """Apply a snapshot in bounded steps, letting requests run in between (the worker's
+        old view answers until the new one is complete); returns the seconds spent waiting
+        between steps, so only the time on the loop is measured."""
+        steps = self._index.apply_snapshot_steps(name, snap, self._cfg.snapshot_step_blocks)
+        waited = 0.0
+        try:
+            for _ in steps:
+                paused = time.perf_counter()
+                await asyncio.sleep(0)
+                waited += time.perf_counter() - paused
+        finally:
+            close = getattr(steps, "close", None)
+            if close is not None:
+                close()  # cancelled midway: the index drops the snapshot
+        return waited
 
     def _go_live(self, name: str, status: StreamStatus) -> None:
         if status.state == LIVE:

@@ -25,7 +25,7 @@ from router.openai_request import forward_headers
 from router.upstream import Upstream, UpstreamConnectError, UpstreamTimeout
 from router.workers import Worker, WorkerRegistry
 
-_KEEP_RESPONSE_HEADERS = ("content-type",)
+_KEEP_RESPONSE_HEADERS = (b"content-type",)
 
 
 class Passthrough:
@@ -70,7 +70,11 @@ class Passthrough:
                 raise RouterError(UPSTREAM_TIMEOUT, f"{worker.name}: {exc}") from None
             except UpstreamConnectError as exc:
                 raise RouterError(UPSTREAM, f"{worker.name}: {exc}") from None
-            headers = {k: v for k, v in resp.headers.items() if k.lower() in _KEEP_RESPONSE_HEADERS}
+            headers = {
+                k.decode("latin-1"): v.decode("latin-1")
+                for k, v in resp.headers
+                if k in _KEEP_RESPONSE_HEADERS
+            }
             self._metrics.requests.labels(path, str(resp.status)).inc()
             return Response(data, resp.status, headers=headers)
         except RouterError as exc:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -36,7 +36,11 @@ class TokenizedLike(Protocol):
 
 class TokenizerLike(Protocol):
     async def token_ids(
-        self, model: str, endpoint: str, body: dict[str, Any], worker_url_for_render: str | None
+        self,
+        model: str,
+        endpoint: str,
+        body: dict[str, Any],
+        worker_url_for_render: str | Callable[[], str | None] | None,
     ) -> TokenizedLike | None: ...
 
 
@@ -50,6 +54,7 @@ class Prompt:
     lora_name: str
     cache_salt: str
     cacheable: bool = True  # False: vLLM will not read the prefix cache for it
+    keys: Sequence[int] | None = None  # the index's keys for it, computed once (`Routing.keys`)
 
 
 class Routing:
@@ -116,12 +121,15 @@ class Routing:
             if w.takes_requests(now) and w.name not in exclude
         ]
 
+    def any_eligible(self, route: ModelRoute) -> bool:
+        now = self._clock()
+        return any(w.takes_requests(now) for w in self.registry.serving(route.name))
+
     async def prompt(self, req: ClientRequest, route: ModelRoute) -> Prompt:
         """Exact token ids when the model's tokenizer can give them; TokenizeError -> 400."""
-        render_worker = self._render_worker(route)
         try:
             got = await self._tokenizers.token_ids(
-                route.base, req.endpoint, req.body, render_worker
+                route.base, req.endpoint, req.body, lambda: self._render_worker(route)
             )
         except ValueError as exc:  # router.tokenize.TokenizeError subclasses ValueError
             raise RouterError(TOKENIZE, str(exc), param=getattr(exc, "param", None)) from None
@@ -141,6 +149,14 @@ class Routing:
             return None
         return min(workers, key=lambda w: w.load.running).url
 
+    def keys(self, prompt: Prompt) -> Sequence[int] | None:
+        """The prompt's index keys, hashed on first use and kept on the prompt."""
+        if prompt.keys is None and prompt.token_ids is not None:
+            prompt.keys = self.index.prompt_keys(
+                prompt.token_ids, prompt.lora_name, prompt.cache_salt
+            )
+        return prompt.keys
+
     def reuse(self, prompt: Prompt) -> Mapping[str, int | None]:
         """Predicted reuse per worker; streams that are down count as no evidence."""
         if prompt.token_ids is None:
@@ -149,13 +165,14 @@ class Routing:
             return dict.fromkeys(self.registry.names(), 0)  # vLLM will reuse nothing
         ids, lora, salt = prompt.token_ids, prompt.lora_name, prompt.cache_salt
         try:
+            keys = self.keys(prompt)
             if self._fa_only:
                 scores: Mapping[str, int | None] = {
                     name: exp.full_attention_only()
-                    for name, exp in self.index.explain(ids, lora, salt).items()
+                    for name, exp in self.index.explain(ids, lora, salt, keys).items()
                 }
             else:
-                scores = self.index.score(ids, lora, salt)
+                scores = self.index.score(ids, lora, salt, keys)
         except Exception as exc:  # an index bug must not fail requests: route without evidence
             self._ratelog.error("score", "index scoring failed, routing without it: %r", exc)
             self._metrics.child(self._metrics.errors, "index").inc()
@@ -200,7 +217,9 @@ class Routing:
 
         def lookup() -> Mapping[str, int | None]:
             try:
-                found = self.index.coverage(ids, prompt.lora_name, prompt.cache_salt)
+                found = self.index.coverage(
+                    ids, prompt.lora_name, prompt.cache_salt, self.keys(prompt)
+                )
             except Exception as exc:
                 self._ratelog.error("coverage", "index coverage failed: %r", exc)
                 self._metrics.child(self._metrics.errors, "index").inc()
@@ -222,6 +241,7 @@ class Routing:
                     prompt.lora_name,
                     prompt.cache_salt,
                     self.cfg.expect_seconds,
+                    self.keys(prompt),
                 )
             except Exception as exc:
                 self._ratelog.error("expect", "index expectation failed: %r", exc)

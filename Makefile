@@ -6,17 +6,34 @@ VENV ?= .venv
 VLLM_VENV ?= .venv-vllm
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+RUN_STAMP := $(VENV)/.installed-run
+CHROMIUM ?= /usr/bin/chromium
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: test demo install vllm-env helm-lib lint typecheck proto bench bench-peers clean
+.PHONY: test demo install vllm-env helm-lib browser lint typecheck proto bench bench-peers clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev]' --config-settings editable_mode=compat
+	PYTHONWARNINGS=ignore $(PY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# The demo needs only the runtime dependencies (a faster first `make demo`).
+$(RUN_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	PYTHONWARNINGS=ignore $(PY) -m pip install -q -e .
+	touch $(RUN_STAMP)
+
+# Debian's Chromium for the dashboard's browser tests (tests/dashboard, driven by Playwright).
+# The package lists are refreshed only when they do not know the package yet.
+$(CHROMIUM):
+	@apt-cache show chromium >/dev/null 2>&1 || apt-get update -qq >/dev/null
+	@DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+
+browser: $(CHROMIUM)
 
 # vLLM 0.33 CPU-only, for the conformance tests (reference/vllm-kv-events.md §9.1).
 $(VLLM_STAMP): tests/conformance/requirements-vllm.txt
@@ -53,14 +70,15 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy indexer bridge router
 
-test: $(STAMP) $(VLLM_STAMP) $(HELM_LIB)
+test: $(STAMP) $(VLLM_STAMP) $(HELM_LIB) $(CHROMIUM)
 	$(PY) -m proto.generate --check
 	$(MAKE) lint typecheck
 	KVROUTE_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python KVROUTE_REQUIRE_VLLM=1 \
 		KVROUTE_HELM_LIB=$(abspath $(HELM_LIB)) KVROUTE_REQUIRE_HELM=1 \
+		KVROUTE_CHROMIUM=$(CHROMIUM) KVROUTE_REQUIRE_BROWSER=1 \
 		$(VENV)/bin/pytest -q
 
-demo: $(STAMP)
+demo: $(RUN_STAMP)
 	$(VENV)/bin/kvroute demo
 
 # Peer routers for the benchmarks (smg, vllm-router from PyPI), in their own venv.

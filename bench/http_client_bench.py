@@ -1,4 +1,5 @@
-"""Which async HTTP client should the proxy use upstream? aiohttp vs httpx, side by side.
+"""Which async HTTP client should the proxy use upstream? aiohttp, httpx and the router's own
+lean HTTP/1.1 client (router/http1.py), side by side.
 
 Both clients talk to the same instant engine (its own process) through pooled keep-alive
 connections, with the same request body, at concurrency 1 and 64, non-streaming and
@@ -98,7 +99,28 @@ async def bench_httpx(url: str, concurrency: int, total: int, stream: bool) -> d
         return await _drive(call, concurrency, total, stream)
 
 
-CLIENTS = {"aiohttp": bench_aiohttp, "httpx": bench_httpx}
+async def bench_http1(url: str, concurrency: int, total: int, stream: bool) -> dict[str, float]:
+    from router.http1 import Http1Pool
+
+    pool = Http1Pool(limit=1024, connect_s=3.0, read_idle_s=600.0)
+    headers = list(HEADERS.items())
+
+    async def call(body: bytes, stream: bool) -> None:
+        resp = await pool.request("POST", url, headers, body)
+        if stream:
+            while await resp.next_chunk():
+                pass
+        else:
+            await resp.read()
+        resp.release()
+
+    try:
+        return await _drive(call, concurrency, total, stream)
+    finally:
+        await pool.close()
+
+
+CLIENTS = {"aiohttp": bench_aiohttp, "httpx": bench_httpx, "kvroute-http1": bench_http1}
 
 
 def run(total: int, smoke: bool) -> dict[str, Any]:
@@ -112,7 +134,7 @@ def run(total: int, smoke: bool) -> dict[str, Any]:
                     cell = {"client": name, "stream": stream, "concurrency": concurrency, **got}
                     cells.append(cell)
                     print(
-                        f"{name:8s} stream={stream!s:5s} c={concurrency:<3d} "
+                        f"{name:14s} stream={stream!s:5s} c={concurrency:<3d} "
                         f"median {got['median_us']:8.0f} us  p99 {got['p99_us']:8.0f} us  "
                         f"{got['req_per_s']:8.0f} req/s  cpu {got['cpu_us_per_req']:6.0f} us/req",
                         flush=True,
@@ -144,7 +166,7 @@ def _same_cell(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 def to_markdown(result: dict[str, Any]) -> str:
     lines = [
-        "# Upstream HTTP client: aiohttp vs httpx",
+        "# Upstream HTTP client: aiohttp vs httpx vs kvroute's own HTTP/1.1 client",
         "",
         f"`{result['command']}` ({result['requests_per_cell']} requests per cell, instant "
         "engine in its own process, pooled keep-alive connections, uvloop).",
@@ -160,7 +182,8 @@ def to_markdown(result: dict[str, Any]) -> str:
     lines += [
         "",
         f"Chosen for the router's upstream: **{result['chosen']}** (lowest client CPU per "
-        f"request in {result['cpu_wins'][result['chosen']]} of {len(result['cells']) // 2} "
+        f"request in {result['cpu_wins'][result['chosen']]} of "
+        f"{len(result['cells']) // len(CLIENTS)} "
         "cells; CPU per request is what bounds a proxy's added latency under load).",
     ]
     return "\n".join(lines) + "\n"

@@ -56,8 +56,11 @@ def _cpu_seconds(pid: int) -> float:
 
 
 @contextlib.contextmanager
-def running_router(engine_url: str, processes: int = 1) -> Iterator[tuple[str, int]]:
-    """`kvroute serve` in front of one instant engine; yields (base URL, pid)."""
+def running_router(
+    engine_url: str, processes: int = 1, src: str | None = None
+) -> Iterator[tuple[str, int]]:
+    """`kvroute serve` in front of one instant engine; yields (base URL, pid). `src`: run the
+    router from another checkout (a baseline for side-by-side numbers)."""
     port = _free_port()
     config = {
         "workers": [{"name": "w0", "url": engine_url, "model": "m"}],
@@ -70,8 +73,14 @@ def running_router(engine_url: str, processes: int = 1) -> Iterator[tuple[str, i
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         yaml.safe_dump(config, f)
         path = f.name
+    env = None
+    if src is not None:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvroute", "serve", "--config", path], start_new_session=True
+        [sys.executable, "-m", "kvroute", "serve", "--config", path],
+        start_new_session=True,
+        cwd=src,
+        env=env,
     )
     url = f"http://127.0.0.1:{port}"
     try:
@@ -141,35 +150,46 @@ async def _load(url: str, stream: bool, concurrency: int, total: int) -> dict[st
     }
 
 
-def proxy_overhead(total: int) -> list[dict[str, Any]]:
+def proxy_overhead(total: int, baseline: str | None = None) -> list[dict[str, Any]]:
+    """Direct vs through the router (and through a baseline checkout's router, if given: the
+    same engine, the cells interleaved, so both see the same machine)."""
     cells = []
-    with running_engine(chunks=16) as engine, running_router(engine) as (router, pid):
+    with contextlib.ExitStack() as stack:
+        engine = stack.enter_context(running_engine(chunks=16))
+        routers = {"router": stack.enter_context(running_router(engine))}
+        if baseline is not None:
+            routers["baseline"] = stack.enter_context(running_router(engine, src=baseline))
         for stream in (False, True):
             for concurrency in (1, 64):
                 path = "/v1/completions"
                 direct = uvloop.run(_load(engine + path, stream, concurrency, total))
-                cpu0 = _cpu_seconds(pid)
-                via = uvloop.run(_load(router + path, stream, concurrency, total))
-                cpu = _cpu_seconds(pid) - cpu0
-                cell = {
-                    "stream": stream,
-                    "concurrency": concurrency,
-                    "direct": direct,
-                    "router": via,
-                    "added_median_ms": via["median_ms"] - direct["median_ms"],
-                    "added_p99_ms": via["p99_ms"] - direct["p99_ms"],
-                    # the CPU window includes the warm-up requests: divide by all sent
-                    "router_cpu_us_per_req": cpu / via["sent"] * 1e6,
-                }
+                cell: dict[str, Any] = {"stream": stream, "concurrency": concurrency}
+                cell["direct"] = direct
+                for label, (router, pid) in routers.items():
+                    cpu0 = _cpu_seconds(pid)
+                    via = uvloop.run(_load(router + path, stream, concurrency, total))
+                    cpu = _cpu_seconds(pid) - cpu0
+                    measured = {
+                        "router": via,
+                        "added_median_ms": via["median_ms"] - direct["median_ms"],
+                        "added_p99_ms": via["p99_ms"] - direct["p99_ms"],
+                        # the CPU window includes the warm-up requests: divide by all sent
+                        "router_cpu_us_per_req": cpu / via["sent"] * 1e6,
+                    }
+                    if label == "router":
+                        cell.update(measured)
+                    else:
+                        cell[label] = measured
+                    print(
+                        f"{label:8s} stream={stream!s:5s} c={concurrency:<3d} direct median "
+                        f"{direct['median_ms']:.3f} ms  router {via['median_ms']:.3f} ms  added "
+                        f"{measured['added_median_ms']:.3f} ms "
+                        f"(p99 {measured['added_p99_ms']:.3f})  "
+                        f"{via['req_per_s']:.0f} vs {direct['req_per_s']:.0f} req/s  router cpu "
+                        f"{measured['router_cpu_us_per_req']:.0f} us/req",
+                        flush=True,
+                    )
                 cells.append(cell)
-                print(
-                    f"stream={stream!s:5s} c={concurrency:<3d} direct median "
-                    f"{direct['median_ms']:.3f} ms  router {via['median_ms']:.3f} ms  added "
-                    f"{cell['added_median_ms']:.3f} ms (p99 {cell['added_p99_ms']:.3f})  "
-                    f"{via['req_per_s']:.0f} vs {direct['req_per_s']:.0f} req/s  router cpu "
-                    f"{cell['router_cpu_us_per_req']:.0f} us/req",
-                    flush=True,
-                )
     return cells
 
 
@@ -212,34 +232,46 @@ async def _paced_load(url: str, concurrency: int, total: int) -> dict[str, Any]:
     }
 
 
-def paced_streams(total: int, concurrency: int = 64, pace_ms: float = 20.0) -> dict[str, Any]:
+def paced_streams(
+    total: int, concurrency: int = 64, pace_ms: float = 20.0, baseline: str | None = None
+) -> dict[str, Any]:
     """64 concurrent streams whose engine sends one event per `pace_ms` (a decode step)."""
-    with (
-        running_engine(chunks=16, pace_ms=pace_ms) as engine,
-        running_router(engine) as (router, pid),
-    ):
+    with contextlib.ExitStack() as stack:
+        engine = stack.enter_context(running_engine(chunks=16, pace_ms=pace_ms))
+        routers = {"router": stack.enter_context(running_router(engine))}
+        if baseline is not None:
+            routers["baseline"] = stack.enter_context(running_router(engine, src=baseline))
         path = "/v1/completions"
         direct = uvloop.run(_paced_load(engine + path, concurrency, total))
-        cpu0 = _cpu_seconds(pid)
-        via = uvloop.run(_paced_load(router + path, concurrency, total))
-        cpu = _cpu_seconds(pid) - cpu0
-    result = {
-        "concurrency": concurrency,
-        "pace_ms": pace_ms,
-        "requests": total,
-        "direct": direct,
-        "router": via,
-        "added_first_median_ms": via["first_median_ms"] - direct["first_median_ms"],
-        "added_first_p99_ms": via["first_p99_ms"] - direct["first_p99_ms"],
-        "added_total_median_ms": via["total_median_ms"] - direct["total_median_ms"],
-        "router_cpu_us_per_req": cpu / (total + concurrency) * 1e6,
-    }
-    print(
-        f"paced streams c={concurrency} ({pace_ms} ms/event): time to first chunk added "
-        f"{result['added_first_median_ms']:.3f} ms median (p99 {result['added_first_p99_ms']:.3f})"
-        f", whole stream added {result['added_total_median_ms']:.3f} ms",
-        flush=True,
-    )
+        result: dict[str, Any] = {
+            "concurrency": concurrency,
+            "pace_ms": pace_ms,
+            "requests": total,
+            "direct": direct,
+        }
+        for label, (router, pid) in routers.items():
+            cpu0 = _cpu_seconds(pid)
+            via = uvloop.run(_paced_load(router + path, concurrency, total))
+            cpu = _cpu_seconds(pid) - cpu0
+            measured = {
+                "router": via,
+                "added_first_median_ms": via["first_median_ms"] - direct["first_median_ms"],
+                "added_first_p99_ms": via["first_p99_ms"] - direct["first_p99_ms"],
+                "added_total_median_ms": via["total_median_ms"] - direct["total_median_ms"],
+                "router_cpu_us_per_req": cpu / (total + concurrency) * 1e6,
+            }
+            if label == "router":
+                result.update(measured)
+            else:
+                result[label] = measured
+            print(
+                f"{label:8s} paced streams c={concurrency} ({pace_ms} ms/event): time to first "
+                f"chunk added {measured['added_first_median_ms']:.3f} ms median (p99 "
+                f"{measured['added_first_p99_ms']:.3f}), whole stream added "
+                f"{measured['added_total_median_ms']:.3f} ms, router cpu "
+                f"{measured['router_cpu_us_per_req']:.0f} us/req",
+                flush=True,
+            )
     return result
 
 
@@ -360,18 +392,109 @@ def event_apply(blocks: int, batches: int) -> dict[str, Any]:
         index.apply("w0", batch)
         times.append(time.perf_counter() - t0)
     times.sort()
+    raw = events_pb2.SubscribeResponse(snapshot=snap).SerializeToString()
+    t0 = time.perf_counter()
+    events_pb2.SubscribeResponse.FromString(raw)
+    decode_s = time.perf_counter() - t0
+    stall = uvloop.run(_loop_stalls(snap))
     result = {
         "snapshot_blocks": 512 * len(events),
         "snapshot_s": snapshot_s,
+        "snapshot_decode_s": decode_s,
+        "snapshot_mb": len(raw) / 1e6,
         "batch_median_us": statistics.median(times) * 1e6,
         "batch_p99_us": times[int(0.99 * (len(times) - 1))] * 1e6,
+        **stall,
     }
     print(
         f"events on the loop: 8-block batch {result['batch_median_us']:.1f} us median, "
-        f"snapshot of {result['snapshot_blocks']} blocks {snapshot_s:.3f} s",
+        f"snapshot of {result['snapshot_blocks']} blocks {snapshot_s:.3f} s (decoding its "
+        f"{result['snapshot_mb']:.1f} MB message {decode_s * 1e3:.1f} ms); replacing a view "
+        f"that large: worst loop stall {stall['stall_at_once_ms']:.1f} ms at once, "
+        f"{stall['stall_steps_ms']:.1f} ms in steps of {stall['step_blocks']} blocks "
+        f"(median step {stall['step_median_ms']:.2f} ms, {stall['steps']} steps, "
+        f"{stall['steps_total_s']:.3f} s in all)",
         flush=True,
     )
     return result
+
+
+async def _loop_stalls(snap: Any) -> dict[str, Any]:
+    """The longest the event loop goes without running another task while a view of the
+    snapshot's size is replaced by it: at once (`apply_snapshot`), and the router's way
+    (`EventSubscriptions` applies it in steps)."""
+    from router.config import EventsConfig
+    from router.events import EventSubscriptions
+    from router.fleet_index import FleetIndexView
+    from router.metrics import RouterMetrics
+
+    async def watch(apply: Any) -> tuple[float, list[float], float]:
+        gaps: list[float] = []
+        done = False
+
+        async def ticker() -> None:
+            last = time.perf_counter()
+            while not done:
+                await asyncio.sleep(0)
+                now = time.perf_counter()
+                gaps.append(now - last)
+                last = now
+
+        task = asyncio.create_task(ticker())
+        await asyncio.sleep(0)
+        t0 = time.perf_counter()
+        await apply()
+        total = time.perf_counter() - t0
+        done = True
+        await task
+        return max(gaps), gaps, total
+
+    index = FleetIndexView(16)
+    index.apply_snapshot("w0", snap)
+
+    async def at_once() -> None:
+        index.apply_snapshot("w0", snap)
+
+    worst_once, _, _ = await watch(at_once)
+    cfg = EventsConfig()
+    subs = EventSubscriptions(index, cfg, RouterMetrics())
+
+    async def in_steps() -> None:
+        await subs._apply_snapshot("w0", snap)
+
+    worst_steps, gaps, total = await watch(in_steps)
+    gaps.sort()
+    return {
+        "stall_at_once_ms": worst_once * 1e3,
+        "stall_steps_ms": worst_steps * 1e3,
+        "step_median_ms": statistics.median(gaps) * 1e3,
+        "steps": len(gaps),
+        "steps_total_s": total,
+        "step_blocks": cfg.snapshot_step_blocks,
+    }
+
+
+def _baseline_lines(result: dict[str, Any]) -> list[str]:
+    """Side by side with the baseline router, when one ran (same engine, same machine)."""
+    if not result.get("baseline"):
+        return []
+    lines = [
+        f"Side by side in the same run with the baseline router (`{result['baseline']}`):",
+        "",
+        "| stream | concurrency | router CPU µs/req | baseline CPU µs/req | ratio | "
+        "added median ms | baseline added median ms | router req/s | baseline req/s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for c in result["proxy"]:
+        b = c["baseline"]
+        lines.append(
+            f"| {c['stream']} | {c['concurrency']} | {c['router_cpu_us_per_req']:.0f} | "
+            f"{b['router_cpu_us_per_req']:.0f} | "
+            f"{b['router_cpu_us_per_req'] / c['router_cpu_us_per_req']:.2f}x | "
+            f"{c['added_median_ms']:.3f} | {b['added_median_ms']:.3f} | "
+            f"{c['router']['req_per_s']:.0f} | {b['router']['req_per_s']:.0f} |"
+        )
+    return [*lines, "", "This router alone:", ""]
 
 
 def to_markdown(result: dict[str, Any]) -> str:
@@ -382,6 +505,7 @@ def to_markdown(result: dict[str, Any]) -> str:
         f"client, {result['requests_per_cell']} requests per cell (completions with 1024 "
         "token ids, so each request is scored against the index).",
         "",
+        *_baseline_lines(result),
         "| stream | concurrency | direct median ms | router median ms | added median ms | "
         "added p99 ms | router req/s | direct req/s | router CPU µs/req |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -394,10 +518,17 @@ def to_markdown(result: dict[str, Any]) -> str:
             f"{c['direct']['req_per_s']:.0f} | {c['router_cpu_us_per_req']:.0f} |"
         )
     pc = result["paced"]
+    paced_base = (
+        f" (baseline: {pc['baseline']['added_first_median_ms']:.3f} ms added to the first "
+        f"chunk, {pc['baseline']['router_cpu_us_per_req']:.0f} vs "
+        f"{pc['router_cpu_us_per_req']:.0f} router CPU µs per stream)"
+        if "baseline" in pc
+        else ""
+    )
     lines += [
         "",
         f"Streaming under load: {pc['concurrency']} concurrent streams, the engine sending one "
-        f"event every {pc['pace_ms']} ms (16 events), {pc['requests']} streams:",
+        f"event every {pc['pace_ms']} ms (16 events), {pc['requests']} streams{paced_base}:",
         "",
         "| | direct | router | added |",
         "|---|---|---|---|",
@@ -413,8 +544,13 @@ def to_markdown(result: dict[str, Any]) -> str:
         "",
         f"Applying KV events on the router's event loop: one 8-block batch "
         f"{ev['batch_median_us']:.1f} µs median (p99 {ev['batch_p99_us']:.1f} µs); one snapshot "
-        f"of {ev['snapshot_blocks']} blocks {ev['snapshot_s']:.3f} s (the loop is blocked for "
-        "that long: live batches stay on the loop, large snapshots are the cost to watch).",
+        f"of {ev['snapshot_blocks']} blocks {ev['snapshot_s']:.3f} s of work (decoding its "
+        f"{ev['snapshot_mb']:.1f} MB message: {ev['snapshot_decode_s'] * 1e3:.1f} ms). "
+        f"Replacing a view that large, the longest the loop serves nothing else: "
+        f"**{ev['stall_at_once_ms']:.1f} ms** applied at once, **{ev['stall_steps_ms']:.1f} ms** "
+        f"the router's way, in steps of {ev['step_blocks']} blocks ({ev['steps']} steps, median "
+        f"{ev['step_median_ms']:.2f} ms, {ev['steps_total_s']:.3f} s in all; the old view answers "
+        "until the new one is complete).",
     ]
     d = result["decision"]
     lines += [
@@ -438,11 +574,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=3000, help="requests per cell")
     p.add_argument("--smoke", action="store_true", help="seconds: few requests, small index")
     p.add_argument("--out", default=str(RESULTS))
+    p.add_argument(
+        "--baseline",
+        metavar="DIR",
+        help="also run the router from this checkout (e.g. `git archive main`), side by side",
+    )
     args = p.parse_args(argv)
     total = 200 if args.smoke else args.requests
     load_before = os.getloadavg()[0]
-    proxy = proxy_overhead(total)
-    paced = paced_streams(128 if args.smoke else 1280)
+    proxy = proxy_overhead(total, args.baseline)
+    paced = paced_streams(128 if args.smoke else 1280, baseline=args.baseline)
     decision = decision_time(4096, 32, 50) if args.smoke else decision_time(32768, 256, 300)
     events = event_apply(8192 if args.smoke else 102_400, 200 if args.smoke else 2000)
     result = {
@@ -453,7 +594,10 @@ def main(argv: list[str] | None = None) -> int:
         "paced": paced,
         "events": events,
         "decision": decision,
-        "command": "python -m bench.router_overhead_bench" + (" --smoke" if args.smoke else ""),
+        "command": "python -m bench.router_overhead_bench"
+        + (" --smoke" if args.smoke else "")
+        + (" --baseline DIR" if args.baseline else ""),
+        "baseline": args.baseline,
         "cpus": os.cpu_count(),
         "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)],
     }

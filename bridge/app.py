@@ -16,7 +16,7 @@ from bridge.follower import DEFAULT_REPLAY_TIMEOUT, EngineEndpoints, EngineFollo
 from bridge.http import start_http
 from bridge.metrics import BridgeMetrics
 from bridge.server import kv_events_handler, start_grpc_server
-from bridge.state import DEFAULT_MAX_BLOCKS, EngineState
+from bridge.state import DEFAULT_MAX_BLOCKS, DEFAULT_MAX_LINEAGE_BLOCKS, EngineState
 from bridge.stream import RankStream, StreamLimits
 
 log = logging.getLogger(__name__)
@@ -31,6 +31,7 @@ class BridgeConfig:
     listen: str = "127.0.0.1:50051"
     http: str | None = None
     max_blocks: int = DEFAULT_MAX_BLOCKS
+    max_lineage_blocks: int = DEFAULT_MAX_LINEAGE_BLOCKS
     limits: StreamLimits = field(default_factory=StreamLimits)
     replay_timeout: float = DEFAULT_REPLAY_TIMEOUT
     discover_interval: float = 30.0
@@ -56,6 +57,7 @@ class Bridge:
         self.http_port = 0
 
     async def start(self) -> None:
+        """Follow the configured engines (or start discovery) and serve gRPC and HTTP."""
         for endpoints in self.config.engines:
             self._follow(endpoints)
         handler = kv_events_handler(self.streams.get)
@@ -70,7 +72,11 @@ class Bridge:
         rank = endpoints.dp_rank
         if rank in self.streams:
             return
-        state = EngineState(rank, max_blocks=self.config.max_blocks)
+        state = EngineState(
+            rank,
+            max_blocks=self.config.max_blocks,
+            max_lineage_blocks=self.config.max_lineage_blocks,
+        )
         stream = RankStream(rank, self.bridge_id, state, self.metrics, self.config.limits)
         follower = EngineFollower(
             endpoints, stream, self.metrics, self._ctx, replay_timeout=self.config.replay_timeout
@@ -112,6 +118,7 @@ class Bridge:
         return {"status": "ok", "ready": self.ready, "bridge_id": self.bridge_id, "ranks": ranks}
 
     async def stop(self) -> None:
+        """Stop following, close the servers and sockets."""
         if self._discovery is not None:
             self._discovery.cancel()
         for task in self._tasks.values():

@@ -10,11 +10,12 @@ import signal
 from bridge.app import Bridge, BridgeConfig
 from bridge.discovery import ranked_endpoints
 from bridge.follower import DEFAULT_REPLAY_TIMEOUT
-from bridge.state import DEFAULT_MAX_BLOCKS
+from bridge.state import DEFAULT_MAX_BLOCKS, DEFAULT_MAX_LINEAGE_BLOCKS
 from bridge.stream import DEFAULT_QUEUE_SIZE, DEFAULT_RING_BATCHES, StreamLimits
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The `kvroute bridge` options."""
     parser = argparse.ArgumentParser(
         prog="kvroute bridge",
         description="Follow a vLLM engine's KV-cache events (ZMQ) and serve them over gRPC.",
@@ -45,6 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="bound on cached blocks kept per rank for snapshots (oldest dropped beyond it)",
     )
     parser.add_argument(
+        "--max-lineage-blocks",
+        type=int,
+        default=DEFAULT_MAX_LINEAGE_BLOCKS,
+        help="bound on evicted ancestors kept per rank to place live blocks in snapshots",
+    )
+    parser.add_argument(
         "--queue-size",
         type=int,
         default=DEFAULT_QUEUE_SIZE,
@@ -62,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> BridgeConfig:
+    """The bridge configuration the options describe; ValueError for inconsistent ones."""
     if args.dp_ranks < 1:
         raise ValueError("--dp-ranks must be at least 1")
     engines = (
@@ -75,6 +83,7 @@ def config_from_args(args: argparse.Namespace) -> BridgeConfig:
         listen=args.listen,
         http=args.http,
         max_blocks=args.max_blocks,
+        max_lineage_blocks=args.max_lineage_blocks,
         limits=StreamLimits(queue_size=args.queue_size, ring_batches=args.ring_batches),
         replay_timeout=args.replay_timeout,
     )
@@ -100,6 +109,7 @@ async def serve(config: BridgeConfig) -> None:
 
 
 def main(argv: list[str]) -> int:
+    """`kvroute bridge`: run until SIGTERM or SIGINT; 2 for bad options."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"

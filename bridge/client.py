@@ -66,6 +66,7 @@ class Backoff:
     factor: float = 2.0
 
     def delays(self) -> AsyncIterator[float]:
+        """An endless series of jittered delays, starting again from `initial`."""
         return _delays(self)
 
 

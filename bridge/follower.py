@@ -34,7 +34,6 @@ from bridge.vllm_schema import (
     MalformedPayload,
     parse_live,
     parse_replay_reply,
-    parse_seq,
     replay_request_frames,
 )
 
@@ -42,6 +41,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_REPLAY_TIMEOUT: Final = 5.0
 DEFAULT_SUB_HWM: Final = 100_000
+_IDLE_POLL_MS: Final = 100
 
 
 @dataclass(frozen=True)
@@ -65,6 +65,7 @@ class RateLimitedLog:
         self._suppressed: dict[str, int] = {}
 
     def warning(self, key: str, message: str, *args: Any) -> None:
+        """Log `message % args` unless `key` was logged less than `interval` seconds ago."""
         now = time.monotonic()
         last = self._last.get(key)
         if last is not None and now - last < self._interval:
@@ -105,11 +106,12 @@ class EngineFollower:
         self._joined = False  # False: the next message starts a (re)join
         self._reconnected = False
         self.connected = False  # the PUB socket's handshake succeeded and holds
-        self._unknown_seen = 0
+        self._unknown_seen = 0  # the decoder's unknown_field_batches already counted
 
     # -- socket lifecycle -----------------------------------------------------------------
 
     async def run(self) -> None:
+        """Subscribe to the engine and apply its messages until cancelled."""
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.RCVHWM, self._sub_hwm)
         sub.setsockopt(zmq.LINGER, 0)
@@ -119,6 +121,9 @@ class EngineFollower:
         watcher = asyncio.ensure_future(self._watch(monitor))
         try:
             while True:
+                if not await sub.poll(_IDLE_POLL_MS):
+                    await self._join_idle()
+                    continue
                 frames = await sub.recv_multipart()
                 await self.on_live(frames)
                 # A ready message completes without suspending: let subscribers' writers run.
@@ -144,6 +149,10 @@ class EngineFollower:
                 self._reconnected = True
                 self._metrics.engine_connected.labels(self._label).set(0)
                 log.warning("rank %s: engine disconnected; waiting", self._label)
+                # The engine may have crashed or restarted, its cache with it; a view kept
+                # until it publishes again could only give routers stale hits.
+                if self._last is not None:
+                    self._reset("disconnect", None)
 
     def _close_dealer(self) -> None:
         if self._dealer is not None:
@@ -191,6 +200,14 @@ class EngineFollower:
             self._metrics.gaps.labels(self._label).inc()
             await self._recover(message)
         self._live_high = seq if self._live_high is None else max(self._live_high, seq)
+
+    async def _join_idle(self) -> None:
+        """Connected to an engine that is quiet: take what its replay buffer holds now
+        instead of waiting for its next batch (a bridge restarted beside an idle engine
+        would otherwise show routers an empty cache)."""
+        if self.connected and not self._joined and self.endpoints.replay:
+            await self._replay(0, joining=True)
+            self._joined = True
 
     async def _join(self, message: LiveMessage) -> None:
         """First message of a (re)started view: replay from 0 if the engine can."""
@@ -278,22 +295,15 @@ class EngineFollower:
     # -- applying -------------------------------------------------------------------------
 
     def _apply(self, seq: int, payload: bytes) -> None:
+        """Decode, convert and apply one batch; a batch that cannot be used resets the view
+        (which then reflects `seq`)."""
         try:
             decoded = self._decoder.decode(payload)
         except MalformedPayload as exc:
             self._malformed("payload", exc)
             self._reset("malformed", seq)
-            self._last = seq
             return
-        if self._decoder.unknown_field_batches != self._unknown_seen:
-            self._unknown_seen = self._decoder.unknown_field_batches
-            self._metrics.unknown_fields.labels(self._label).inc()
-            self._log.warning(
-                "unknown-fields",
-                "rank %s: ignoring unknown fields %s",
-                self._label,
-                sorted(self._decoder.unknown_field_names),
-            )
+        self._note_unknown_fields()
         stats = self._stats
         filtered, invalid, blocks = stats.filtered, stats.invalid, stats.stored_blocks
         try:
@@ -301,7 +311,6 @@ class EngineFollower:
         except Exception as exc:  # a converter bug must not stop the stream: reset instead
             self._malformed("convert", exc)
             self._reset("malformed", seq)
-            self._last = seq
             return
         m, label = self._metrics, self._label
         if stats.filtered != filtered:
@@ -315,7 +324,23 @@ class EngineFollower:
         self.stream.apply(batch)
         self._last = seq
 
+    def _note_unknown_fields(self) -> None:
+        """Count (and log, rate-limited) a batch the decoder found fields in that it does not
+        know."""
+        seen = self._decoder.unknown_field_batches
+        if seen == self._unknown_seen:
+            return
+        self._unknown_seen = seen
+        self._metrics.unknown_fields.labels(self._label).inc()
+        self._log.warning(
+            "unknown-fields",
+            "rank %s: ignoring unknown fields %s",
+            self._label,
+            sorted(self._decoder.unknown_field_names),
+        )
+
     def _reset(self, reason: str, sequence: int | None) -> None:
+        """Reset the rank's view to `sequence` (None: unknown, the next message rejoins)."""
         self.stream.reset(reason, sequence)
         self._last = sequence
         if sequence is None:
@@ -326,11 +351,3 @@ class EngineFollower:
         self._log.warning(
             f"malformed-{problem}", "rank %s: malformed message (%s): %s", self._label, problem, exc
         )
-
-
-def seq_of(frames: Sequence[bytes]) -> int | None:
-    """The seq of a 3-frame message, if its seq frame is valid (for diagnostics)."""
-    try:
-        return parse_seq(frames[1]) if len(frames) == 3 else None
-    except MalformedFrame:
-        return None

@@ -13,6 +13,8 @@ if TYPE_CHECKING:
 
 
 def make_app(bridge: Bridge) -> web.Application:
+    """The aiohttp application serving `bridge`'s metrics, health and readiness."""
+
     async def metrics(_: web.Request) -> web.Response:
         response = web.Response(body=bridge.metrics.render())
         response.headers["Content-Type"] = CONTENT_TYPE_LATEST

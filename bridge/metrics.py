@@ -2,130 +2,103 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 __all__ = ["CONTENT_TYPE_LATEST", "BridgeMetrics"]
 
+_PREFIX = "kvroute_bridge_"
 _RANK = ("dp_rank",)
 
 
 class BridgeMetrics:
-    """Counters and gauges, labelled by the engine's DP rank where it applies."""
+    """Counters and gauges, all labelled by the engine's DP rank (some by one more label)."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
-        self.batches = Counter(
-            "kvroute_bridge_batches", "Engine batches applied (live or replayed)", _RANK, registry=r
+
+        def counter(name: str, doc: str, *labels: str) -> Counter:
+            return Counter(_PREFIX + name, doc, (*_RANK, *labels), registry=r)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(_PREFIX + name, doc, _RANK, registry=r)
+
+        def histogram(name: str, doc: str, buckets: Sequence[float]) -> Histogram:
+            return Histogram(_PREFIX + name, doc, _RANK, buckets=buckets, registry=r)
+
+        # The engine stream.
+        self.batches = counter("batches", "Engine batches applied (live or replayed)")
+        self.events = counter(
+            "events", "Converted events by kind (store, remove, clear, invalid, filtered)", "kind"
         )
-        self.events = Counter(
-            "kvroute_bridge_events",
-            "Converted events by kind (store, remove, clear, invalid, filtered)",
-            (*_RANK, "kind"),
-            registry=r,
-        )
-        self.stored_blocks = Counter(
-            "kvroute_bridge_stored_blocks", "Block hashes in converted stores", _RANK, registry=r
-        )
-        self.gaps = Counter(
-            "kvroute_bridge_gaps", "Sequence gaps seen on the live stream", _RANK, registry=r
-        )
-        self.replays = Counter(
-            "kvroute_bridge_replays",
+        self.stored_blocks = counter("stored_blocks", "Block hashes in converted stores")
+        self.gaps = counter("gaps", "Sequence gaps seen on the live stream")
+        self.replays = counter(
+            "replays",
             "Replay requests by outcome (recovered, unrecoverable, timeout, unavailable)",
-            (*_RANK, "outcome"),
-            registry=r,
+            "outcome",
         )
-        self.replayed_batches = Counter(
-            "kvroute_bridge_replayed_batches", "Batches received from replay", _RANK, registry=r
+        self.replayed_batches = counter("replayed_batches", "Batches received from replay")
+        self.resets = counter(
+            "resets", "View resets by reason (gap, restart, malformed, reconnect, ...)", "reason"
         )
-        self.resets = Counter(
-            "kvroute_bridge_resets",
-            "View resets by reason (gap, restart, malformed, reconnect, ...)",
-            (*_RANK, "reason"),
-            registry=r,
+        self.malformed = counter(
+            "malformed_frames", "Malformed messages by problem (frames, seq, payload)", "problem"
         )
-        self.malformed = Counter(
-            "kvroute_bridge_malformed_frames",
-            "Malformed messages by problem (frames, seq, payload)",
-            (*_RANK, "problem"),
-            registry=r,
+        self.unknown_fields = counter(
+            "unknown_field_batches", "Batches with fields this bridge does not know (ignored)"
         )
-        self.unknown_fields = Counter(
-            "kvroute_bridge_unknown_field_batches",
-            "Batches with fields this bridge does not know (ignored)",
-            _RANK,
-            registry=r,
+        self.unknown_removes = counter(
+            "unknown_removes", "Removals of blocks the bridge did not hold"
         )
-        self.unknown_removes = Counter(
-            "kvroute_bridge_unknown_removes",
-            "Removals of blocks the bridge did not hold",
-            _RANK,
-            registry=r,
+        self.last_sequence = gauge("last_sequence", "Last engine sequence applied")
+        self.engine_connected = gauge(
+            "engine_connected", "1 while the engine's PUB socket is connected"
         )
-        self.evicted_blocks = Counter(
-            "kvroute_bridge_state_evicted_blocks",
-            "Blocks dropped from the snapshot state at its bound",
-            _RANK,
-            registry=r,
-        )
-        self.state_blocks = Gauge(
-            "kvroute_bridge_state_blocks",
-            "Live block copies in the snapshot state",
-            _RANK,
-            registry=r,
-        )
-        self.last_sequence = Gauge(
-            "kvroute_bridge_last_sequence", "Last engine sequence applied", _RANK, registry=r
-        )
-        self.engine_connected = Gauge(
-            "kvroute_bridge_engine_connected",
-            "1 while the engine's PUB socket is connected",
-            _RANK,
-            registry=r,
-        )
-        self.lag = Histogram(
-            "kvroute_bridge_lag_seconds",
+        self.lag = histogram(
+            "lag_seconds",
             "Time from the engine's batch timestamp to its conversion by the bridge",
-            _RANK,
-            buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30),
-            registry=r,
+            (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30),
         )
-        self.subscribers = Gauge(
-            "kvroute_bridge_subscribers", "Connected gRPC subscribers", _RANK, registry=r
+        # The snapshot state.
+        self.evicted_blocks = counter(
+            "state_evicted_blocks", "Blocks dropped from the snapshot state at its bound"
         )
-        self.snapshots = Counter(
-            "kvroute_bridge_snapshots_sent",
+        self.state_blocks = gauge("state_blocks", "Live block copies in the snapshot state")
+        self.evicted_lineage_blocks = counter(
+            "state_evicted_lineage_blocks",
+            "Lineage-only blocks (ancestors of live blocks) dropped at their bound",
+        )
+        self.lineage_blocks = gauge(
+            "state_lineage_blocks",
+            "Blocks kept only to place live blocks in snapshots (their ancestors)",
+        )
+        # Subscribers.
+        self.subscribers = gauge("subscribers", "Connected gRPC subscribers")
+        self.snapshots = counter(
+            "snapshots_sent",
             "Snapshots sent to subscribers by reason (initial, lagging, reset, ...)",
-            (*_RANK, "reason"),
-            registry=r,
+            "reason",
         )
-        self.snapshot_events = Histogram(
-            "kvroute_bridge_snapshot_events",
+        self.snapshot_events = histogram(
+            "snapshot_events",
             "Events per snapshot built",
-            _RANK,
-            buckets=(1, 10, 100, 1_000, 10_000, 100_000, 1_000_000),
-            registry=r,
+            (1, 10, 100, 1_000, 10_000, 100_000, 1_000_000),
         )
-        self.snapshot_bytes = Histogram(
-            "kvroute_bridge_snapshot_bytes",
+        self.snapshot_bytes = histogram(
+            "snapshot_bytes",
             "Serialized size of each snapshot built",
-            _RANK,
-            buckets=(1e3, 1e4, 1e5, 1e6, 1e7, 1e8, 1e9),
-            registry=r,
+            (1e3, 1e4, 1e5, 1e6, 1e7, 1e8, 1e9),
         )
-        self.lagging_subscribers = Counter(
-            "kvroute_bridge_lagging_subscribers",
+        self.lagging_subscribers = counter(
+            "lagging_subscribers",
             "Times a subscriber fell behind its queue bound and was resynchronised",
-            _RANK,
-            registry=r,
         )
-        self.resumes = Counter(
-            "kvroute_bridge_resumes",
-            "Subscriptions resumed from the recent-batch ring (no snapshot needed)",
-            _RANK,
-            registry=r,
+        self.resumes = counter(
+            "resumes", "Subscriptions resumed from the recent-batch ring (no snapshot needed)"
         )
 
     def render(self) -> bytes:

@@ -39,6 +39,10 @@ def kv_events_handler(
             return
         subscriber = stream.subscribe(request)
         try:
+            # Headers now, not with the first message: a router that resumed with nothing
+            # missed gets no message until the engine's next batch, and reads the headers
+            # as "accepted, up to date" to trust its kept view again at once.
+            await context.send_initial_metadata(())
             while True:
                 yield await subscriber.queue.get()
         finally:
@@ -56,7 +60,16 @@ async def start_grpc_server(
     listen: str, handler: grpc.GenericRpcHandler[SubscribeRequest, bytes]
 ) -> tuple[grpc.aio.Server, int]:
     """Start a grpc.aio server on `listen` ("host:port", port 0 = ephemeral)."""
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    server = grpc.aio.server(
+        options=[
+            ("grpc.so_reuseport", 0),
+            # Routers ping quiet streams to notice a cut network; with gRPC's defaults (one
+            # ping per 5 min without data, 2 strikes) an idle stream was closed with
+            # "too_many_pings" every minute or two.
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", 1000),
+            ("grpc.http2.max_ping_strikes", 0),
+        ]
+    )
     server.add_generic_rpc_handlers((handler,))
     port = server.add_insecure_port(listen)
     if port == 0:

@@ -13,13 +13,21 @@ empty view rebuilds both membership and positions:
   records as contiguous runs (a run starting mid-record names the previous block as parent),
   sparse records whole with their live hashes; parents before children.
 
-A block whose ancestors are no longer cached anywhere keeps its membership but its run's
-parent is unknown to a fresh view (it stays pending there). Every block that can contribute
-to a hit on a model with a full-attention group has its whole prefix cached, so it is exact
-where it matters.
+Lineage of evicted ancestors: a live block's position comes from its record's parent link
+and tokens, and the parent's from its own record, up to token 0. Without a full-attention
+group (sliding-window-only, Mamba + sliding window) a live block's ancestors are often
+evicted. So every record also points (`up`) to the record that placed its parent (sparse
+records: the dense record that placed their hashes), found when it arrives, and a record
+whose last copy goes stays as lineage only while a kept record points to it (`down`
+counts them); it is released, and so in turn are the ancestors only it needed, when the
+last one goes. The snapshot sends, in `lineage`, the whole dense records that place the
+runs nothing in `events` places (position-only: they add no copies). A parent the state
+never saw cached stays unknown (the run waits in a fresh view, as in a live one).
 
 Bounds: `max_blocks` live copies (beyond it the oldest records are dropped and counted: a
-late subscriber then sees less than the engine holds, never more) and `max_groups` groups.
+late subscriber then sees less than the engine holds, never more), `max_lineage_blocks`
+blocks kept as lineage only (beyond it the oldest lineage is dropped and counted: runs
+below it are then unplaced in a snapshot, a lower answer) and `max_groups` groups.
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ CLEAR: Final = KvGroupEvent.CLEAR
 INVALID: Final = KvGroupEvent.INVALID
 
 DEFAULT_MAX_BLOCKS: Final = 2_000_000
+DEFAULT_MAX_LINEAGE_BLOCKS: Final = 2_000_000
 DEFAULT_MAX_GROUPS: Final = 64
 _MAX_INTERNED_META: Final = 4096
 
@@ -61,6 +70,7 @@ class _Record:
 
     __slots__ = (
         "dense",
+        "down",
         "hashes",
         "key",
         "live",
@@ -69,6 +79,7 @@ class _Record:
         "salt",
         "span",
         "tokens",
+        "up",
         "width",
     )
 
@@ -93,7 +104,15 @@ class _Record:
         self.span: tuple[int, int] | None = None
         self.dense = dense
         self.live = 0
-        self.key = 0  # position in the state's arrival order
+        self.key = 0  # position in the state's arrival order; -1 once dropped
+        # The record that places this one's parent (sparse: its hashes), and how many kept
+        # records point here: a record without live copies is kept while down > 0.
+        self.up: _Record | None = None
+        self.down = 0
+
+
+# (record, first block, stop block, live hashes): one run of a snapshot.
+_Run = tuple[_Record, int, int, list[bytes]]
 
 
 class _Group:
@@ -108,10 +127,11 @@ class _Group:
 class StateStats:
     """Counters (read by metrics)."""
 
-    __slots__ = ("evicted_blocks", "invalid_resets", "unknown_removes")
+    __slots__ = ("evicted_blocks", "evicted_lineage_blocks", "invalid_resets", "unknown_removes")
 
     def __init__(self) -> None:
         self.evicted_blocks = 0  # live copies dropped at the max_blocks bound
+        self.evicted_lineage_blocks = 0  # lineage-only blocks dropped at max_lineage_blocks
         self.unknown_removes = 0  # REMOVEs of a (group, hash) the state did not hold
         self.invalid_resets = 0  # INVALID events applied (the view was discarded)
 
@@ -123,8 +143,8 @@ class _BatchScratch:
 
     def __init__(self) -> None:
         self.hashes: dict[bytes, bytes] = {}
-        # packed span (and width) of a dense store -> (its record's buffer, first token)
-        self.spans: dict[tuple[bytes, int], tuple[bytearray, int]] = {}
+        # packed span (and width) of a dense store -> (its record, first token)
+        self.spans: dict[tuple[bytes, int], tuple[_Record, int]] = {}
 
 
 class EngineState:
@@ -136,12 +156,14 @@ class EngineState:
         *,
         max_blocks: int = DEFAULT_MAX_BLOCKS,
         max_groups: int = DEFAULT_MAX_GROUPS,
+        max_lineage_blocks: int = DEFAULT_MAX_LINEAGE_BLOCKS,
     ) -> None:
-        if max_blocks < 1 or max_groups < 1:
-            raise ValueError("max_blocks and max_groups must be positive")
+        if max_blocks < 1 or max_groups < 1 or max_lineage_blocks < 1:
+            raise ValueError("max_blocks, max_groups and max_lineage_blocks must be positive")
         self.dp_rank = dp_rank
         self.max_blocks = max_blocks
         self.max_groups = max_groups
+        self.max_lineage_blocks = max_lineage_blocks
         self.stats = StateStats()
         self.last_sequence: int | None = None
         self._groups: dict[int, _Group] = {}
@@ -152,7 +174,10 @@ class EngineState:
         self._copies: dict[int, dict[bytes, Any]] = {}
         # group -> last hash of a dense record -> that record (for appending chains)
         self._tails: dict[int, dict[bytes, _Record]] = {}
+        # Records without live copies kept for a kept record's lineage, oldest first.
+        self._lineage: dict[int, _Record] = {}
         self.blocks = 0  # live copies
+        self.lineage_blocks = 0  # blocks of the records in _lineage
 
     # -- queries --------------------------------------------------------------------------
 
@@ -185,7 +210,9 @@ class EngineState:
         self._copies.clear()
         self._tails.clear()
         self._meta.clear()
+        self._lineage.clear()
         self.blocks = 0
+        self.lineage_blocks = 0
 
     def apply(self, batch: KvEventBatch) -> KvEventBatch:
         """Apply a converted batch; returns the batch subscribers must receive.
@@ -297,6 +324,8 @@ class EngineState:
             record = self._add_record(
                 _Record(meta, event.cache_salt, parent, hashes, tokens, width, True)
             )
+            if parent:
+                self._pin(record, self._placer(parent, group))
             self._offer_span(scratch, record, 0)
         if dense:
             tails[hashes[-1]] = record
@@ -325,7 +354,31 @@ class EngineState:
         tokens = record.tokens
         assert isinstance(tokens, bytearray)
         key = (bytes(tokens[first * record.width :]), record.width)
-        scratch.spans.setdefault(key, (tokens, first))
+        scratch.spans.setdefault(key, (record, first))
+
+    def _placer(self, block_hash: bytes, group: int) -> _Record | None:
+        """The record that places `block_hash`: a dense record holding it (its own group's
+        first), else a sparse holder (placed through its own `up`), else None."""
+        sparse: _Record | None = None
+        for gid in (group, *(g for g in self._copies if g != group)):
+            tail = self._tails.get(gid, {}).get(block_hash)
+            if tail is not None:
+                return tail
+            holder = self._copies.get(gid, {}).get(block_hash)
+            if holder is None:
+                continue
+            holders: list[_Record] = holder if isinstance(holder, list) else [holder]
+            for record in holders:
+                if record.dense:
+                    return record
+                sparse = sparse or record
+        return sparse
+
+    @staticmethod
+    def _pin(record: _Record, up: _Record | None) -> None:
+        if up is not None:
+            record.up = up
+            up.down += 1
 
     def _new_sparse(
         self,
@@ -340,9 +393,11 @@ class EngineState:
         found = scratch.spans.get((bytes(tokens), width))
         record = _Record(meta, event.cache_salt, parent, hashes, tokens, width, False)
         if found is not None:
-            buffer, first = found
-            record.tokens = buffer
+            dense, first = found
+            record.tokens = dense.tokens
             record.span = (first, first + packed_tokens.count(tokens, width))
+        # Its hashes are placed by the dense record that holds them (the span's, usually).
+        self._pin(record, self._placer(hashes[-1], event.group_id))
         return self._add_record(record)
 
     def _touch(self, record: _Record) -> None:
@@ -372,10 +427,47 @@ class EngineState:
                 self._drop(record)
 
     def _drop(self, record: _Record) -> None:
+        """The record's last live copy went: keep it as lineage if a kept record needs it."""
         del self._records[record.key]
         tails = self._tails.get(record.meta.group)
         if tails is not None and record.dense and tails.get(record.hashes[-1]) is record:
             del tails[record.hashes[-1]]
+        if record.down > 0:
+            self._lineage[record.key] = record
+            self.lineage_blocks += len(record.hashes)
+            if self.lineage_blocks > self.max_lineage_blocks:
+                self._evict_lineage()
+        else:
+            self._release(record)
+
+    def _release(self, record: _Record) -> None:
+        """Forget a record; the lineage records it alone kept go too (iteratively)."""
+        current: _Record | None = record
+        while current is not None:
+            current.key = -1
+            up, current.up = current.up, None
+            current = None
+            if up is None:
+                continue
+            up.down -= 1
+            if up.down == 0 and self._lineage.get(up.key) is up:
+                del self._lineage[up.key]
+                self.lineage_blocks -= len(up.hashes)
+                current = up
+
+    def _evict_lineage(self) -> None:
+        """Drop the oldest lineage down to 7/8 of the bound (what it placed is then unplaced
+        in a snapshot: lower answers, never higher)."""
+        keep = self.max_lineage_blocks - self.max_lineage_blocks // 8
+        while self.lineage_blocks > keep and self._lineage:
+            record = next(iter(self._lineage.values()))
+            del self._lineage[record.key]
+            self.lineage_blocks -= len(record.hashes)
+            self.stats.evicted_lineage_blocks += len(record.hashes)
+            # Records below keep pointing here: free the content, mark it dropped.
+            record.hashes = []
+            record.tokens = b""
+            self._release(record)
 
     def _evict_oldest(self) -> None:
         while self.blocks > self.max_blocks and self._records:
@@ -416,7 +508,26 @@ class EngineState:
                 block_size=group.block_size,
             )
         runs = self._live_runs()
-        for run in _parents_first(runs):
+        defines = _defines(runs)
+        ordered = _parents_first(runs, defines)
+        for record in _lineage_for(ordered, defines):
+            meta = record.meta
+            snap.lineage.add(
+                operation=STORE,
+                group_id=meta.group,
+                block_hashes=record.hashes,
+                parent_block_hash=record.parent,
+                token_ids=packed_tokens.unpack(
+                    record.tokens, record.width, 0, len(record.hashes) * meta.block_size
+                ),
+                block_size=meta.block_size,
+                kind=meta.kind,
+                sliding_window=meta.window,
+                lora_name=meta.lora,
+                cache_salt=record.salt,
+                unmatchable=meta.unmatchable,
+            )
+        for run in ordered:
             record, start, stop, hashes = run
             meta = record.meta
             if record.dense:
@@ -447,9 +558,9 @@ class EngineState:
             )
         return snap
 
-    def _live_runs(self) -> list[tuple[_Record, int, int, list[bytes]]]:
+    def _live_runs(self) -> list[_Run]:
         """(record, start, stop, live hashes) in arrival order; dense records as runs."""
-        runs: list[tuple[_Record, int, int, list[bytes]]] = []
+        runs: list[_Run] = []
         for record in self._records.values():
             copies = self._copies[record.meta.group]
             if record.live == len(record.hashes) and not _has_repeats(record):
@@ -490,16 +601,50 @@ def _has_repeats(record: _Record) -> bool:
     return len(record.hashes) > 1 and len(set(record.hashes)) != len(record.hashes)
 
 
-def _parents_first(
-    runs: list[tuple[_Record, int, int, list[bytes]]],
-) -> list[tuple[_Record, int, int, list[bytes]]]:
-    """Reorder runs so that a dense run defining a block's position precedes its children."""
+def _defines(runs: list[_Run]) -> dict[bytes, int]:
+    """Block hash -> the first dense run (index in `runs`) that places it."""
     defines: dict[bytes, int] = {}
     for position, (record, _, _, hashes) in enumerate(runs):
         if record.dense:
             for block_hash in hashes:
                 defines.setdefault(block_hash, position)
-    ordered: list[tuple[_Record, int, int, list[bytes]]] = []
+    return defines
+
+
+def _lineage_for(runs: list[_Run], defines: dict[bytes, int]) -> list[_Record]:
+    """The dense records, parents first, that place the runs no dense run places: a dense
+    run whose parent none places (mid-record: its own record; else the parent's placer),
+    a sparse run with a hash none places (its hashes' placer), and their ancestors up to
+    token 0 or to lineage the state no longer has."""
+    out: list[_Record] = []
+    seen: set[int] = set()
+    for record, start, _, hashes in runs:
+        if record.dense:
+            parent = record.parent if start == 0 else record.hashes[start - 1]
+            if not parent or parent in defines:
+                continue
+            need = record if start else record.up
+        elif all(block_hash in defines for block_hash in hashes):
+            continue
+        else:
+            need = record.up
+        # Each lineage chain is whole down from token 0 (or from lineage sent already), so
+        # a subscriber places it before it reads `events`.
+        chain: list[_Record] = []
+        while need is not None and need.key >= 0 and id(need) not in seen:
+            seen.add(id(need))
+            if need.dense and need.hashes:
+                chain.append(need)
+                if not need.parent:
+                    break
+            need = need.up
+        out.extend(reversed(chain))
+    return out
+
+
+def _parents_first(runs: list[_Run], defines: dict[bytes, int]) -> list[_Run]:
+    """Reorder runs so that a dense run defining a block's position precedes its children."""
+    ordered: list[_Run] = []
     done = [False] * len(runs)
     for first in range(len(runs)):
         chain = []

@@ -98,6 +98,7 @@ class RankStream:
 
     @property
     def subscriber_count(self) -> int:
+        """Connected subscribers."""
         return len(self._subscribers)
 
     # -- producer side (the follower) -----------------------------------------------------
@@ -107,6 +108,7 @@ class RankStream:
         before_invalid = self.state.stats.invalid_resets
         before_unknown = self.state.stats.unknown_removes
         before_evicted = self.state.stats.evicted_blocks
+        before_lineage = self.state.stats.evicted_lineage_blocks
         sent = self.state.apply(batch)
         self._version += 1
         self._snapshot_cache = None
@@ -116,7 +118,11 @@ class RankStream:
             m.events.labels(label, _KINDS.get(event.operation, "invalid")).inc()
         m.unknown_removes.labels(label).inc(self.state.stats.unknown_removes - before_unknown)
         m.evicted_blocks.labels(label).inc(self.state.stats.evicted_blocks - before_evicted)
+        m.evicted_lineage_blocks.labels(label).inc(
+            self.state.stats.evicted_lineage_blocks - before_lineage
+        )
         m.state_blocks.labels(label).set(self.state.blocks)
+        m.lineage_blocks.labels(label).set(self.state.lineage_blocks)
         m.last_sequence.labels(label).set(sent.sequence)
         if self.state.stats.invalid_resets != before_invalid:
             m.resets.labels(label, "invalid_event").inc()
@@ -177,6 +183,7 @@ class RankStream:
         return subscriber
 
     def unsubscribe(self, subscriber: Subscriber) -> None:
+        """Forget a subscriber that went away."""
         self._subscribers.discard(subscriber)
         self._metrics.subscribers.labels(self._label).set(len(self._subscribers))
 

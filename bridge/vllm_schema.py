@@ -22,8 +22,9 @@ maps with a "type" key from "0.24"; the batch is always `[ts, events, dp_rank]`.
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Sequence
-from typing import Any, Final, Literal, TypeAlias
+from typing import Any, Final, Literal, TypeAlias, cast
 
 import msgspec
 
@@ -124,11 +125,6 @@ def parse_wire_version(wire_version: str) -> tuple[int, int]:
     if len(parts) < 2 or not all(p.isdigit() for p in parts[:2]):
         raise ValueError(f"wire version must look like '0.26', got {wire_version!r}")
     return int(parts[0]), int(parts[1])
-
-
-def events_are_maps(wire_version: str) -> bool:
-    """True when events of that version are tagged maps (0.24+), False for tagged arrays."""
-    return parse_wire_version(wire_version) >= _FIRST_MAP_VERSION
 
 
 # ---------------------------------------------------------------------------------------------
@@ -273,103 +269,57 @@ class DecodedBatch(msgspec.Struct, gc=False):
     data_parallel_rank: int | None = None
 
 
-# Concrete layouts. Array events and map events cannot share one msgspec union, so each
-# (batch layout, event layout) pair gets its own decoder; a stream never mixes them, so the
-# decoder that worked last is tried first.
-class _StoredMap(DecodedStored, tag="BlockStored", tag_field="type"):
-    pass
+# Concrete layouts: a batch is an array (every release) or a map (one unreleased commit), its
+# events tagged arrays (<= 0.23) or tagged maps (0.24+). Array events and map events cannot
+# share one msgspec union, so each (batch layout, event layout) pair gets its own decoder; a
+# stream never mixes them, so the decoder that worked last is tried first. Each comes in a
+# strict form, which rejects unknown map keys and extra array elements, and a lenient one,
+# which ignores them: strict first, so that newer producers are noticed (and counted), not
+# failed.
+_EVENT_TAGS: Final = (
+    (DecodedStored, "BlockStored"),
+    (DecodedRemoved, "BlockRemoved"),
+    (DecodedCleared, "AllBlocksCleared"),
+)
 
 
-class _RemovedMap(DecodedRemoved, tag="BlockRemoved", tag_field="type"):
-    pass
+def _batch_type(batch_as_map: bool, events_as_maps: bool, strict: bool) -> type[DecodedBatch]:
+    """The msgspec type that decodes batches of one layout into `DecodedBatch`es."""
+    layout = ("Map" if events_as_maps else "Array") + ("Strict" if strict else "")
+    event_options: dict[str, Any] = (
+        {"tag_field": "type"} if events_as_maps else {"array_like": True}
+    )
+    events = [
+        msgspec.defstruct(
+            f"_{tag}{layout}",
+            [],
+            bases=(base,),
+            tag=tag,
+            forbid_unknown_fields=strict,
+            gc=False,
+            **event_options,
+        )
+        for base, tag in _EVENT_TAGS
+    ]
+    batch = msgspec.defstruct(
+        f"_Batch{'Map' if batch_as_map else 'Array'}Of{layout}",
+        [("events", list[functools.reduce(operator.or_, events)])],  # type: ignore[misc]
+        bases=(DecodedBatch,),
+        array_like=not batch_as_map,
+        forbid_unknown_fields=strict,
+        gc=False,
+    )
+    return cast(type[DecodedBatch], batch)
 
 
-class _ClearedMap(DecodedCleared, tag="AllBlocksCleared", tag_field="type"):
-    pass
-
-
-class _StoredArray(DecodedStored, array_like=True, tag="BlockStored"):
-    pass
-
-
-class _RemovedArray(DecodedRemoved, array_like=True, tag="BlockRemoved"):
-    pass
-
-
-class _ClearedArray(DecodedCleared, array_like=True, tag="AllBlocksCleared"):
-    pass
-
-
-# Strict twins reject unknown map keys and extra array elements; the lenient ones (above)
-# ignore them. Strict first, so that newer producers are noticed (and counted), not failed.
-class _StoredMapStrict(_StoredMap, forbid_unknown_fields=True):
-    pass
-
-
-class _RemovedMapStrict(_RemovedMap, forbid_unknown_fields=True):
-    pass
-
-
-class _ClearedMapStrict(_ClearedMap, forbid_unknown_fields=True):
-    pass
-
-
-class _StoredArrayStrict(_StoredArray, forbid_unknown_fields=True):
-    pass
-
-
-class _RemovedArrayStrict(_RemovedArray, forbid_unknown_fields=True):
-    pass
-
-
-class _ClearedArrayStrict(_ClearedArray, forbid_unknown_fields=True):
-    pass
-
-
-_MapEvent: TypeAlias = _StoredMap | _RemovedMap | _ClearedMap
-_ArrayEvent: TypeAlias = _StoredArray | _RemovedArray | _ClearedArray
-_MapEventStrict: TypeAlias = _StoredMapStrict | _RemovedMapStrict | _ClearedMapStrict
-_ArrayEventStrict: TypeAlias = _StoredArrayStrict | _RemovedArrayStrict | _ClearedArrayStrict
-
-
-class _ArrMaps(DecodedBatch, array_like=True):
-    events: list[_MapEvent]
-
-
-class _ArrArrays(DecodedBatch, array_like=True):
-    events: list[_ArrayEvent]
-
-
-class _MapMaps(DecodedBatch):
-    events: list[_MapEvent]
-
-
-class _MapArrays(DecodedBatch):
-    events: list[_ArrayEvent]
-
-
-class _ArrMapsStrict(DecodedBatch, array_like=True, forbid_unknown_fields=True):
-    events: list[_MapEventStrict]
-
-
-class _ArrArraysStrict(DecodedBatch, array_like=True, forbid_unknown_fields=True):
-    events: list[_ArrayEventStrict]
-
-
-class _MapMapsStrict(DecodedBatch, forbid_unknown_fields=True):
-    events: list[_MapEventStrict]
-
-
-class _MapArraysStrict(DecodedBatch, forbid_unknown_fields=True):
-    events: list[_ArrayEventStrict]
-
-
-# (strict, lenient) per layout, most common first: 0.24+ maps, then <=0.23 arrays.
-_LAYOUTS: Final = (
-    (_ArrMapsStrict, _ArrMaps),
-    (_ArrArraysStrict, _ArrArrays),
-    (_MapMapsStrict, _MapMaps),
-    (_MapArraysStrict, _MapArrays),
+# (strict, lenient) per (batch as map, events as maps), most common first: 0.24+ maps, then
+# <= 0.23 arrays.
+_LAYOUTS: Final = tuple(
+    (
+        _batch_type(batch_as_map, events_as_maps, True),
+        _batch_type(batch_as_map, events_as_maps, False),
+    )
+    for batch_as_map, events_as_maps in ((False, True), (False, False), (True, True), (True, False))
 )
 
 _KNOWN_STORED = frozenset(name for name, _, _ in _STORED_FIELDS) | {"type"}

@@ -6,6 +6,8 @@ from indexer.lineage import Lineage
 from indexer.results import WorkerStats
 from proto import events_pb2
 
+_LINEAGE_COUNTERS = ("evicted", "pending_evicted", "resets", "conflicts", "invalid", "malformed")
+
 
 class Feed:
     """Applies batches in sequence order: an old or repeated sequence is ignored, a gap
@@ -35,16 +37,30 @@ class Feed:
         return True
 
     def apply_snapshot(self, snapshot: events_pb2.Snapshot) -> None:
+        """Replace the view with the snapshot's contents and take its sequence."""
         self.snapshots += 1
         self.lineage.discard(counted=False)
-        self.lineage.apply_batch(snapshot.events)
+        self.lineage.apply_batch(snapshot.events, lineage=snapshot.lineage)
         self.last_sequence = snapshot.sequence if snapshot.has_sequence else None
 
+    def adopt_snapshot(self, lineage: Lineage, snapshot: events_pb2.Snapshot) -> Lineage:
+        """Replace the view with `lineage`, which holds `snapshot` applied to an empty view
+        (built on the side); its counters continue the old view's. Returns the old one."""
+        old = self.lineage
+        for counter in _LINEAGE_COUNTERS:
+            setattr(lineage, counter, getattr(lineage, counter) + getattr(old, counter))
+        self.lineage = lineage
+        self.snapshots += 1
+        self.last_sequence = snapshot.sequence if snapshot.has_sequence else None
+        return old
+
     def invalidate(self) -> None:
+        """Forget the view and the sequence (the stream was lost)."""
         self.lineage.discard()
         self.last_sequence = None
 
     def stats(self) -> WorkerStats:
+        """The view's counters and sizes."""
         lin = self.lineage
         layout = lin.layout()
         return WorkerStats(

@@ -13,7 +13,7 @@ from indexer.fleet_score import score_fast
 from indexer.group_cache import explain_layout
 from indexer.inverted import InvertedIndex, WorkerPresence, WorkerSink
 from indexer.keys import Namespace, content_keys
-from indexer.layout import Layout, Rule
+from indexer.layout import Layout, Rule, check_alignment
 from indexer.lineage import Lineage
 from indexer.plan import Plan, build_plan
 from indexer.results import WorkerScore, WorkerStats
@@ -30,6 +30,8 @@ class _Worker:
     sink: WorkerSink
     feed: Feed
     seen_version: int = -1
+    epoch: int = 0  # bumped by every call that changes the view (see apply_snapshot_steps)
+    alignment: int | None = None  # the set_alignment override
 
     @property
     def lineage(self) -> Lineage:
@@ -64,52 +66,146 @@ class FleetIndex:
         self._names: list[str | None] = []  # by worker index
         self._free: list[int] = []  # reusable indexes (a heap: keep bitsets short)
         self._plan: Plan | None = None
-        self._template: dict[str, int | None] = {}
-        self._spec = Expectations(max_expectations_per_worker, max_expected_keys)
+        self._unscored: dict[str, int | None] = {}  # each worker's answer before any hit
+        self._expectations = Expectations(max_expectations_per_worker, max_expected_keys)
 
     # -- workers and events -----------------------------------------------------------------
 
     def _worker(self, worker_id: str) -> _Worker:
         w = self._workers.get(worker_id)
         if w is None:
-            if self._free:
-                index = heapq.heappop(self._free)
-                self._names[index] = worker_id
-            else:
-                index = len(self._names)
-                self._names.append(worker_id)
+            index = self._take_index()
+            self._names[index] = worker_id
             sink = WorkerSink(self._inv, index)
-            lineage = Lineage(sink, self.hash_unit, self._max_entries, self._max_pending)
-            w = _Worker(worker_id, index, sink, Feed(lineage))
+            w = _Worker(worker_id, index, sink, Feed(self._lineage(sink)))
             self._workers[worker_id] = w
             self._plan = None
         return w
 
-    def _after(self, w: _Worker) -> None:
+    def _take_index(self) -> int:
+        """A free worker index (its name slot stays None until a worker takes it)."""
+        if self._free:
+            return heapq.heappop(self._free)
+        self._names.append(None)
+        return len(self._names) - 1
+
+    def _lineage(self, sink: WorkerSink) -> Lineage:
+        return Lineage(sink, self.hash_unit, self._max_entries, self._max_pending)
+
+    def _view_changed(self, w: _Worker) -> None:
+        """Replan if the worker's layout changed; drop expectations its events confirm."""
         version = w.lineage.layout_version
         if version != w.seen_version:
             w.seen_version = version
             self._plan = None
-        self._spec.confirm(w.index, w.sink.holds)
+        self._expectations.confirm(w.index, w.sink.holds)
 
     def apply(self, worker_id: str, batch: events_pb2.KvEventBatch) -> None:
         """Apply one of the worker's batches (sequence order: stale ignored, a gap
         discards the view and then applies the batch)."""
         w = self._worker(worker_id)
+        w.epoch += 1
         w.feed.apply(batch)
-        self._after(w)
+        self._view_changed(w)
 
     def apply_snapshot(self, worker_id: str, snapshot: events_pb2.Snapshot) -> None:
         """Replace the worker's view with a snapshot."""
         w = self._worker(worker_id)
+        w.epoch += 1
         w.feed.apply_snapshot(snapshot)
-        self._after(w)
+        self._view_changed(w)
+
+    def apply_snapshot_steps(
+        self, worker_id: str, snapshot: events_pb2.Snapshot, blocks_per_step: int = 1024
+    ) -> Iterator[None]:
+        """`apply_snapshot` in bounded steps, for a caller that must keep serving meanwhile
+        (a snapshot of 100k blocks takes a fraction of a second at once).
+
+        The new view is built on the side, invisible to scoring, while the worker's current
+        view keeps answering; the last build step swaps it in, and the steps after that
+        tear the old view down. Each step does about `blocks_per_step` blocks of work, then
+        yields (a larger dense STORE is applied in parent-chained parts). Run to its end,
+        the result is `apply_snapshot`'s (a STORE contradicting the view in its later
+        part, which discards the view, keeps fewer of its blocks). If the view changes
+        meanwhile (`apply`, `apply_snapshot`, `invalidate` or `remove_worker` on this
+        worker), that later call wins and this snapshot is dropped. Closing the iterator
+        early drops the snapshot too, cleaning up at once instead of in steps.
+        """
+        if blocks_per_step < 1:
+            raise ValueError("blocks_per_step must be positive")
+        w = self._worker(worker_id)
+        w.epoch += 1  # an older build still in steps is dropped: the later snapshot wins
+        epoch = w.epoch
+        index = self._take_index()
+        sink = WorkerSink(self._inv, index)
+        lineage = self._lineage(sink)
+        if w.alignment is not None:
+            lineage.set_alignment(w.alignment)
+        teardown: Iterator[None] | None = None
+        try:
+            # one batch in many calls: lineage records first (positions), then the events
+            for placed, chunk in _chunks(snapshot, blocks_per_step):
+                if placed:
+                    lineage.apply_events((), chunk)
+                else:
+                    lineage.apply_events(chunk)
+                yield
+                if self._workers.get(worker_id) is not w or w.epoch != epoch:
+                    break
+            else:
+                lineage.end_batch()
+                teardown = self._swap_in(w, index, sink, lineage, snapshot, blocks_per_step)
+            if teardown is None:  # dropped: withdraw what was built
+                teardown = self._teardown(index, sink, lineage, blocks_per_step)
+            for _ in teardown:  # not `yield from`: closing us must not close it
+                yield
+        finally:
+            if teardown is None:
+                teardown = self._teardown(index, sink, lineage, blocks_per_step)
+            for _ in teardown:  # closed early: finish at once
+                pass
+
+    def _swap_in(
+        self,
+        w: _Worker,
+        index: int,
+        sink: WorkerSink,
+        lineage: Lineage,
+        snapshot: events_pb2.Snapshot,
+        blocks_per_step: int,
+    ) -> Iterator[None]:
+        """Make the view built at `index` the worker's; returns the old view's teardown."""
+        old_index, old_sink = w.index, w.sink
+        lineage.set_alignment(w.alignment)  # it may have changed during the build
+        old_lineage = w.feed.adopt_snapshot(lineage, snapshot)
+        w.index, w.sink = index, sink
+        self._names[index] = w.worker_id
+        self._names[old_index] = None
+        self._expectations.move(old_index, index)
+        w.epoch += 1
+        w.seen_version = -1
+        self._plan = None
+        self._view_changed(w)
+        return self._teardown(old_index, old_sink, old_lineage, blocks_per_step)
+
+    def _teardown(
+        self, index: int, sink: WorkerSink, lineage: Lineage, keys_per_step: int
+    ) -> Iterator[None]:
+        """Withdraw a detached view from the inverted index in steps, then free its index."""
+        keys = list(lineage.keys())
+        for start in range(0, len(keys), keys_per_step):
+            if start:
+                yield
+            for key in keys[start : start + keys_per_step]:
+                sink.drop(key)
+        heapq.heappush(self._free, index)
 
     def invalidate(self, worker_id: str) -> None:
         """The worker's stream was lost: no score (None) until new evidence."""
         w = self._worker(worker_id)
+        w.epoch += 1
         w.feed.invalidate()
-        self._after(w)
+        self._view_changed(w)
 
     def remove_worker(self, worker_id: str) -> None:
         """Forget a worker entirely."""
@@ -117,7 +213,7 @@ class FleetIndex:
         if w is None:
             return
         w.lineage.discard()
-        self._spec.remove_worker(w.index)
+        self._expectations.remove_worker(w.index)
         self._names[w.index] = None
         heapq.heappush(self._free, w.index)
         self._plan = None
@@ -125,22 +221,25 @@ class FleetIndex:
     def set_alignment(self, worker_id: str, alignment: int | None) -> None:
         """Override the worker's inferred hit alignment (vLLM's scheduler block size or
         hash unit, for layouts the events cannot reveal); None infers it again."""
-        if alignment is not None and (alignment <= 0 or alignment % self.hash_unit):
-            raise ValueError("alignment must be a positive multiple of the hash unit")
+        check_alignment(alignment, self.hash_unit)
         w = self._worker(worker_id)
+        w.alignment = alignment
         w.lineage.set_alignment(alignment)
-        self._after(w)
+        self._view_changed(w)
 
     def workers(self) -> list[str]:
+        """Ids of the workers the index knows, in the order they were first seen."""
         return list(self._workers)
 
     def stats(self, worker_id: str) -> WorkerStats:
+        """The worker's counters and sizes; KeyError for an unknown worker."""
         w = self._workers.get(worker_id)
         if w is None:
             raise KeyError(worker_id)
-        return dataclasses.replace(w.feed.stats(), expectations=self._spec.count(w.index))
+        return dataclasses.replace(w.feed.stats(), expectations=self._expectations.count(w.index))
 
     def layout(self, worker_id: str) -> Layout:
+        """The worker's cache layout as learned from its events."""
         return self._workers[worker_id].lineage.layout()
 
     # -- speculative entries ---------------------------------------------------------------
@@ -154,15 +253,21 @@ class FleetIndex:
     ) -> None:
         """Record that a prompt was just sent to a worker: until `expires_at` (or until
         the worker's events confirm it), requests sharing it are credited there."""
+        keys = content_keys(token_ids, namespace, self.hash_unit)
+        self.expect_keys(worker_id, keys, len(token_ids), expires_at)
+
+    def expect_keys(
+        self, worker_id: str, keys: Sequence[int], n_tokens: int, expires_at: float
+    ) -> None:
+        """`expect` from `content_keys` the caller already computed (for `score_keys`)."""
         w = self._worker(worker_id)
         layout = w.lineage.layout()
         alignment = layout.alignment if layout.usable else self.hash_unit
-        keys = content_keys(token_ids, namespace, self.hash_unit)
-        self._spec.add(w.index, keys, len(token_ids), alignment, self.hash_unit, expires_at)
+        self._expectations.add(w.index, keys, n_tokens, alignment, self.hash_unit, expires_at)
 
     def expire(self, now: float) -> None:
         """Drop expectations with expires_at <= now."""
-        self._spec.expire(now)
+        self._expectations.expire(now)
 
     def _credit(self, keys: Sequence[int], n_tokens: int) -> dict[int, int]:
         def rule_of(index: int) -> tuple[bool, int]:
@@ -173,7 +278,7 @@ class FleetIndex:
                 return False, self.hash_unit
             return all(u.rule is Rule.FULL for u in layout.units), layout.alignment
 
-        return self._spec.credit(keys, n_tokens - 1, self.hash_unit, rule_of)
+        return self._expectations.credit(keys, n_tokens - 1, self.hash_unit, rule_of)
 
     # -- scoring ---------------------------------------------------------------------------
 
@@ -181,7 +286,7 @@ class FleetIndex:
         if self._plan is None:
             plan = build_plan({w.index: w.lineage.layout() for w in self._workers.values()})
             # the answer before any hit: 0 for usable workers, None for the others
-            self._template = {
+            self._unscored = {
                 name: (0 if plan.usable >> w.index & 1 else None)
                 for name, w in self._workers.items()
             }
@@ -207,7 +312,7 @@ class FleetIndex:
     def score_keys(self, keys: Sequence[int], n_tokens: int) -> dict[str, int | None]:
         """`score` from `content_keys` the caller already computed."""
         plan = self._current_plan()
-        result = self._template.copy()
+        result = self._unscored.copy()
         for tokens, bits in score_fast(plan, self._inv.slots, keys, n_tokens, self.hash_unit):
             result.update(zip(self._select(bits), repeat(tokens)))
         for index in plan.fallback:
@@ -217,7 +322,7 @@ class FleetIndex:
             result[name] = explain_layout(
                 w.lineage.layout(), self._presence(w), keys, n_tokens, self.hash_unit
             ).reusable_tokens
-        if self._spec.active:
+        if self._expectations.active:
             for index, credit in self._credit(keys, n_tokens).items():
                 name = self._names[index]
                 assert name is not None
@@ -235,7 +340,8 @@ class FleetIndex:
         return self.explain_keys(keys, len(token_ids))
 
     def explain_keys(self, keys: Sequence[int], n_tokens: int) -> dict[str, WorkerScore]:
-        credit = self._credit(keys, n_tokens) if self._spec.active else {}
+        """`explain` from `content_keys` the caller already computed."""
+        credit = self._credit(keys, n_tokens) if self._expectations.active else {}
         out: dict[str, WorkerScore] = {}
         for name, w in self._workers.items():
             ws = explain_layout(
@@ -249,3 +355,68 @@ class FleetIndex:
                 ws = WorkerScore(ws.reusable_tokens, ws.groups, ws.alignment, ws.reason, expected)
             out[name] = ws
         return out
+
+
+def _chunks(
+    snapshot: events_pb2.Snapshot, blocks: int
+) -> Iterator[tuple[bool, list[events_pb2.KvGroupEvent]]]:
+    """The snapshot's lineage records (True), then its events (False), in consecutive runs
+    of about `blocks` blocks each (an event counts at least one: declarations and sparse
+    stores cost something too); a larger dense STORE is cut into parts first."""
+    for placed, events in ((True, snapshot.lineage), (False, snapshot.events)):
+        chunk: list[events_pb2.KvGroupEvent] = []
+        size = 0
+        for whole in events:
+            for event in _parts(whole, blocks):
+                chunk.append(event)
+                size += max(1, len(event.block_hashes))
+                if size >= blocks:
+                    yield placed, chunk
+                    chunk, size = [], 0
+        if chunk:
+            yield placed, chunk
+
+
+_SPLITTABLE = frozenset(
+    {"operation", "group_id", "block_hashes", "parent_block_hash", "token_ids", "block_size",
+     "kind", "sliding_window", "lora_name", "cache_salt", "unmatchable"}
+)  # fmt: skip
+
+
+def _parts(event: events_pb2.KvGroupEvent, blocks: int) -> Iterator[events_pb2.KvGroupEvent]:
+    """A well-formed dense STORE of more than `blocks` blocks as consecutive STOREs, each
+    the child of the previous one's last block (the salt only at the first, as vLLM
+    publishes it): the same blocks, keys and namespaces. Anything else as it is."""
+    hashes = event.block_hashes
+    n = len(hashes)
+    bs = event.block_size
+    if (
+        n <= blocks
+        or event.operation != events_pb2.KvGroupEvent.STORE
+        or bs <= 0
+        or len(event.token_ids) != n * bs
+        or not all(hashes)
+        or any(field.name not in _SPLITTABLE for field, _ in event.ListFields())
+    ):
+        yield event
+        return
+    tokens = event.token_ids
+    parent = event.parent_block_hash
+    salt = event.cache_salt
+    for start in range(0, n, blocks):
+        stop = min(n, start + blocks)
+        yield events_pb2.KvGroupEvent(
+            operation=event.operation,
+            group_id=event.group_id,
+            block_hashes=hashes[start:stop],
+            parent_block_hash=parent,
+            token_ids=tokens[start * bs : stop * bs],
+            block_size=bs,
+            kind=event.kind,
+            sliding_window=event.sliding_window,
+            lora_name=event.lora_name,
+            cache_salt=salt,
+            unmatchable=event.unmatchable,
+        )
+        parent = hashes[stop - 1]
+        salt = ""

@@ -148,22 +148,37 @@ def full_bounds(
         for walk, walk_events in zip(plan.walks, per_walk, strict=True):
             for alignment, mask in walk.fine.items():
                 for covered, workers in walk_events:
-                    rest = workers & mask
-                    if not rest:
-                        continue
-                    # a partial entry inside the first uncovered block, highest first
-                    top = min(covered + walk.block_size - alignment, cap - cap % alignment)
-                    for p in range(top, covered, -alignment):
-                        hit = rest & _bits(slots, walk.slots, keys[p // unit - 1])
-                        if hit:
-                            out.append((p, hit))
-                            rest ^= hit
-                            if not rest:
-                                break
-                    if rest:
-                        out.append((covered, rest))
+                    if workers & mask:
+                        out += _partial_extension(
+                            walk, slots, keys, cap, unit, alignment, covered, workers & mask
+                        )
     if plan.nofull_mask:
         out.append((cap, plan.nofull_mask))
+    return out
+
+
+def _partial_extension(
+    walk: FullWalk,
+    slots: list[dict[int, int]],
+    keys: Sequence[int],
+    cap: int,
+    unit: int,
+    alignment: int,
+    covered: int,
+    workers: int,
+) -> list[tuple[int, int]]:
+    """Fine-grained mode: (bound, workers) for `workers`, whose coverage ends at `covered`,
+    each extended by the highest partial entry inside the first uncovered block."""
+    out: list[tuple[int, int]] = []
+    top = min(covered + walk.block_size - alignment, cap - cap % alignment)
+    for p in range(top, covered, -alignment):
+        hit = workers & _bits(slots, walk.slots, keys[p // unit - 1])
+        if hit:
+            out.append((p, hit))
+            workers ^= hit
+            if not workers:
+                return out
+    out.append((covered, workers))
     return out
 
 

@@ -6,7 +6,7 @@ from collections.abc import Container, Sequence
 
 from indexer.feed import Feed
 from indexer.keys import Namespace, content_keys
-from indexer.layout import Layout, Unit
+from indexer.layout import Layout, Unit, check_alignment
 from indexer.lineage import Lineage
 from indexer.presence import AllOf, DictSink
 from indexer.results import GroupScore, WorkerScore, WorkerStats
@@ -83,11 +83,11 @@ class GroupCache:
 
     def set_alignment(self, alignment: int | None) -> None:
         """Override the inferred alignment (None: infer it again)."""
-        if alignment is not None and (alignment <= 0 or alignment % self.hash_unit):
-            raise ValueError("alignment must be a positive multiple of the hash unit")
+        check_alignment(alignment, self.hash_unit)
         self._lineage.set_alignment(alignment)
 
     def layout(self) -> Layout:
+        """The worker's cache layout as learned from its events."""
         return self._lineage.layout()
 
     def reusable_tokens(
@@ -106,9 +106,11 @@ class GroupCache:
         return self.explain_keys(keys, len(token_ids))
 
     def explain_keys(self, keys: Sequence[int], n_tokens: int) -> WorkerScore:
+        """`explain` from `content_keys` the caller already computed."""
         layout = self._lineage.layout()
         presence_of: dict[int, Container[int]] = dict(enumerate(self._sink.slots))
         return explain_layout(layout, presence_of, keys, n_tokens, self.hash_unit)
 
     def stats(self) -> WorkerStats:
+        """The view's counters and sizes."""
         return self._feed.stats()

@@ -25,10 +25,12 @@ class InvertedIndex:
         self._uses: dict[int, int] = {}  # multi-holder bitset -> entries referring to it
 
     def ensure_slot(self, slot: int) -> None:
+        """Create the per-slot dicts up to `slot`."""
         while len(self.slots) <= slot:
             self.slots.append({})
 
     def bit(self, index: int) -> int:
+        """The shared `1 << index` object of a worker index."""
         while len(self.bits) <= index:
             self.bits.append(1 << len(self.bits))
         return self.bits[index]

@@ -31,6 +31,19 @@ _RULE_OF_KIND: dict[str, Rule] = {
 }
 
 
+def fine_grained(block_size: int, alignment: int) -> bool:
+    """Whether a group of this block size is looked up at `alignment` inside its blocks
+    (vLLM's fine-grained mode, for full attention and Mamba): the alignment divides it."""
+    return alignment < block_size and block_size % alignment == 0
+
+
+def check_alignment(alignment: int | None, hash_unit: int) -> None:
+    """ValueError unless `alignment` (an override; None = inferred) is a positive multiple
+    of the hash unit."""
+    if alignment is not None and (alignment <= 0 or alignment % hash_unit):
+        raise ValueError("alignment must be a positive multiple of the hash unit")
+
+
 def rule_of(kind: str, sliding_window: int) -> Rule | None:
     """The acceptance rule of a group kind, or None when kvroute cannot model it
     (chunked local attention needs a chunk size the events do not carry; encoder-only,
@@ -72,11 +85,7 @@ class Unit:
 
     def fine(self, alignment: int) -> bool:
         """vLLM's fine-grained lookup (partial hits inside a block) for this unit."""
-        return (
-            self.rule is not Rule.WINDOW
-            and alignment < self.block_size
-            and self.block_size % alignment == 0
-        )
+        return self.rule is not Rule.WINDOW and fine_grained(self.block_size, alignment)
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +99,7 @@ class Layout:
 
     @property
     def usable(self) -> bool:
+        """Whether the worker can be scored."""
         return not self.reason
 
 

@@ -15,7 +15,10 @@ token spans:
 - copies are counted per (group, hash): STORE adds one, REMOVE withdraws one;
 - what a block was cached under (LoRA name, cache salt) is the event's where set,
   otherwise the parent's; blocks marked unmatchable (and their descendants) keep their
-  positions for lineage but never match.
+  positions for lineage but never match;
+- a snapshot's `lineage` reports are dense reports that give positions only (no copies,
+  no group declared): applied before its events, they place blocks whose ancestors the
+  engine no longer holds, and are released with the rest of unheld history.
 
 Presence of matchable blocks is kept by a `PresenceSink` (a dict per group for one
 worker, or the fleet's inverted index), keyed by content key. History is released at
@@ -28,7 +31,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import islice
 from typing import Protocol
@@ -177,23 +180,52 @@ class Lineage:
 
     # -- batches -------------------------------------------------------------------------
 
-    def apply_batch(self, events: Sequence[events_pb2.KvGroupEvent]) -> None:
-        """Apply one batch in order; history is released only at the end of the batch."""
+    def apply_batch(
+        self,
+        events: Sequence[events_pb2.KvGroupEvent],
+        lineage: Sequence[events_pb2.KvGroupEvent] = (),
+    ) -> None:
+        """Apply one batch in order; history is released only at the end of the batch.
+
+        `lineage` (a snapshot's) is applied first, as positions only.
+        """
+        self.apply_events(events, lineage)
+        self.end_batch()
+
+    def apply_events(
+        self,
+        events: Sequence[events_pb2.KvGroupEvent],
+        lineage: Sequence[events_pb2.KvGroupEvent] = (),
+    ) -> None:
+        """`apply_batch` without its end: a batch applied in several calls, then
+        `end_batch` (the same result as one call)."""
+        for event in lineage:
+            self._guarded(self._place, event)
         for event in events:
-            try:
-                self._apply(event)
-            except Conflict:
-                self.conflicts += 1
-                self.discard()
-                try:  # the event that conflicted is new evidence for a fresh view
-                    self._apply(event)
-                except (Conflict, Malformed):
-                    self.discard()
-            except Malformed:
-                self.malformed += 1
-                self.discard()
-            self._enforce_caps()
+            self._guarded(self._apply, event)
+
+    def end_batch(self) -> None:
+        """End a batch: release history no reported block and no pending report needs."""
         self._release()
+
+    def _guarded(
+        self,
+        apply: Callable[[events_pb2.KvGroupEvent], None],
+        event: events_pb2.KvGroupEvent,
+    ) -> None:
+        try:
+            apply(event)
+        except Conflict:
+            self.conflicts += 1
+            self.discard()
+            try:  # the event that conflicted is new evidence for a fresh view
+                apply(event)
+            except (Conflict, Malformed):
+                self.discard()
+        except Malformed:
+            self.malformed += 1
+            self.discard()
+        self._enforce_caps()
 
     def discard(self, *, counted: bool = True) -> None:
         """Forget everything, groups included (a gap, INVALID, conflict or lost stream;
@@ -252,6 +284,21 @@ class Lineage:
             self._changed()
         return g
 
+    # -- lineage (positions only) ----------------------------------------------------------
+
+    def _place(self, e: events_pb2.KvGroupEvent) -> None:
+        """A dense report that places its blocks but adds no copy; sparse ones say nothing."""
+        if e.operation != _STORE:
+            raise Malformed("lineage holds STOREs only")
+        if e.block_size <= 0:
+            raise Malformed("store without a block size")
+        hashes = list(e.block_hashes)
+        if not all(hashes):
+            raise Malformed("empty block hash")
+        if hashes and len(e.token_ids) == len(hashes) * e.block_size:
+            self._store_dense(None, hashes, e)
+            self._candidates.update(hashes)  # released at the end unless a group holds them
+
     # -- STORE ---------------------------------------------------------------------------
 
     def _store(self, e: events_pb2.KvGroupEvent) -> None:
@@ -300,7 +347,10 @@ class Lineage:
         ns = Namespace(lora_name, cache_salt) if lora_name or cache_salt else DEFAULT_NAMESPACE
         return _Base(0, namespace_seed(ns), not unmatchable, ns)
 
-    def _store_dense(self, slot: int, hashes: list[bytes], e: events_pb2.KvGroupEvent) -> None:
+    def _store_dense(
+        self, slot: int | None, hashes: list[bytes], e: events_pb2.KvGroupEvent
+    ) -> None:
+        """Place a dense report's blocks; `slot` None: positions only (lineage)."""
         bs = e.block_size
         unit = self._unit
         lora, salt = e.lora_name, e.cache_salt
@@ -344,11 +394,12 @@ class Lineage:
                         self._cascade(h)
                     if h in self._res:  # h is matchable by another report: chain from it
                         base, base_j, keys = self._base(h, lora, salt, unmatchable), j + 1, None
-            self._add_copy(slot, h)
+            if slot is not None:
+                self._add_copy(slot, h)
             prev = h
 
     def _store_keyed(
-        self, slot: int, hashes: list[bytes], base: _Base, block_keys: list[int]
+        self, slot: int | None, hashes: list[bytes], base: _Base, block_keys: list[int]
     ) -> None:
         """The common case of a dense store: every block's content key is known."""
         res, unm, pend, waiting = self._res, self._unm, self._pend, self._waiting
@@ -367,7 +418,8 @@ class Lineage:
                     self._cascade(h)
             elif old != key:
                 raise Conflict("a hash learned with different content or position")
-            add(slot, key)
+            if slot is not None:
+                add(slot, key)
 
     def _wait(
         self, parent: bytes, h: bytes, data: bytes, lora: str, salt: str, unmatchable: bool

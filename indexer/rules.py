@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Container, Sequence
 
-from indexer.layout import Layout, Rule, Unit
+from indexer.layout import Layout, Rule, Unit, fine_grained
 
 
 def longest_full(
@@ -33,7 +33,7 @@ def longest_full(
     while blocks < limit and keys[(blocks + 1) * step - 1] in present:
         blocks += 1
     hit = blocks * block_size
-    if alignment < block_size and block_size % alignment == 0:
+    if fine_grained(block_size, alignment):
         top = min(hit + block_size - alignment, max_length - max_length % alignment)
         for p in range(top, hit, -alignment):
             if keys[p // hash_unit - 1] in present:
@@ -80,7 +80,7 @@ def longest_state(
 ) -> int:
     """Mamba: the highest position with a state saved exactly there; in fine-grained
     mode any aligned position (full block or partial checkpoint), else block ends."""
-    if alignment < block_size and block_size % alignment == 0:
+    if fine_grained(block_size, alignment):
         for p in range(max_length - max_length % alignment, 0, -alignment):
             if keys[p // hash_unit - 1] in present:
                 return p

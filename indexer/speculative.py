@@ -38,8 +38,6 @@ class Expectations:
         self._max_keys = max_keys
         self._prefix: dict[int, int] = {}  # key -> workers expecting a prompt through it
         self._prefix_counts: dict[tuple[int, int], int] = {}
-        self._boundary: dict[int, int] = {}  # boundary key -> workers
-        self._boundary_counts: dict[tuple[int, int], int] = {}
         self._by_worker: dict[int, dict[int, _Expectation]] = {}  # index -> id -> exp
         self._heap: list[tuple[float, int, int]] = []  # (expires_at, id, index)
         self._next_id = 0
@@ -91,37 +89,45 @@ class Expectations:
     ) -> None:
         """Expect worker `index` to hold the prompt (n_tokens, these content keys) until
         `expires_at`."""
-        unit_keys = list(keys)
-        if not unit_keys:
+        if not keys:
             return
         boundary = max(n_tokens - 1, 0)
         boundary -= boundary % alignment
-        boundary_key = unit_keys[boundary // hash_unit - 1] if boundary else None
         mine = self._by_worker.setdefault(index, {})
-        for exp_id, exp in mine.items():  # the same prompt again: extend it
-            if exp.keys[-1] == unit_keys[-1] and exp.boundary == boundary:
-                if expires_at > exp.expires_at:
-                    exp.expires_at = expires_at
-                    heapq.heappush(self._heap, (expires_at, exp_id, index))
+        for exp in mine.values():  # the same prompt again: extend it
+            if exp.keys[-1] == keys[-1] and exp.boundary == boundary:
+                # its heap entry is pushed again, with the new time, when it comes up
+                exp.expires_at = max(exp.expires_at, expires_at)
                 return
+        unit_keys = list(keys)
+        boundary_key = unit_keys[boundary // hash_unit - 1] if boundary else None
         exp_id = self._next_id
         self._next_id += 1
         exp = _Expectation(index, unit_keys, boundary_key, boundary, expires_at)
         mine[exp_id] = exp
         for key in unit_keys:
             self._inc(self._prefix, self._prefix_counts, key, index)
-        if boundary_key is not None:
-            self._inc(self._boundary, self._boundary_counts, boundary_key, index)
         self._keys += len(unit_keys)
         heapq.heappush(self._heap, (expires_at, exp_id, index))
+        self._enforce_bounds(index)
+
+    def _enforce_bounds(self, index: int) -> None:
+        """Beyond a bound, drop the expectations that expire first: the worker's own for its
+        count, anyone's for the total of keys."""
+        mine = self._by_worker[index]
         while len(mine) > self._max_per_worker:
             self._remove(index, min(mine, key=lambda i: mine[i].expires_at))
             self.dropped += 1
         while self._keys > self._max_keys and self._heap:
-            _, victim, vindex = heapq.heappop(self._heap)
-            if victim in self._by_worker.get(vindex, {}):
-                self._remove(vindex, victim)
-                self.dropped += 1
+            at, victim, vindex = heapq.heappop(self._heap)
+            found = self._by_worker.get(vindex, {}).get(victim)
+            if found is None:
+                continue
+            if found.expires_at > at:  # extended since: not the soonest to expire
+                heapq.heappush(self._heap, (found.expires_at, victim, vindex))
+                continue
+            self._remove(vindex, victim)
+            self.dropped += 1
 
     def _remove(self, index: int, exp_id: int) -> None:
         mine = self._by_worker.get(index)
@@ -132,20 +138,37 @@ class Expectations:
             del self._by_worker[index]
         for key in exp.keys:
             self._dec(self._prefix, self._prefix_counts, key, index)
-        if exp.boundary_key is not None:
-            self._dec(self._boundary, self._boundary_counts, exp.boundary_key, index)
         self._keys -= len(exp.keys)
+
+    def move(self, old: int, new: int) -> None:
+        """A worker's index changed from `old` to `new`: its expectations follow."""
+        mine = self._by_worker.pop(old, None)
+        if not mine:
+            return
+        prefix, prefix_counts = self._prefix, self._prefix_counts
+        for exp_id, exp in mine.items():
+            for key in exp.keys:
+                self._dec(prefix, prefix_counts, key, old)
+                self._inc(prefix, prefix_counts, key, new)
+            exp.index = new
+            heapq.heappush(self._heap, (exp.expires_at, exp_id, new))  # old entries: no-ops
+        self._by_worker[new] = mine
 
     def expire(self, now: float) -> None:
         """Drop expectations with expires_at <= now."""
         while self._heap and self._heap[0][0] <= now:
-            _, exp_id, index = heapq.heappop(self._heap)
+            at, exp_id, index = heapq.heappop(self._heap)
             exp = self._by_worker.get(index, {}).get(exp_id)
-            if exp is not None and exp.expires_at <= now:
+            if exp is None:
+                continue
+            if exp.expires_at <= now:
                 self._remove(index, exp_id)
                 self.expired += 1
+            elif exp.expires_at > at:  # extended since it was pushed
+                heapq.heappush(self._heap, (exp.expires_at, exp_id, index))
 
     def remove_worker(self, index: int) -> None:
+        """Drop every expectation of a worker (it left the fleet)."""
         for exp_id in list(self._by_worker.get(index, {})):
             self._remove(index, exp_id)
 
@@ -171,38 +194,60 @@ class Expectations:
         rule_of: Callable[[int], tuple[bool, int]],
     ) -> dict[int, int]:
         """Credited tokens per worker index for a request. `rule_of(index)` gives
-        (all groups full attention, alignment) for a worker."""
+        (all groups full attention, alignment) for a worker.
+
+        The workers expecting the request's key i can only shrink as i grows (a key
+        commits to its whole prefix), so the common prefix of each worker is found by
+        bisecting between the positions where that set changes: a few lookups per
+        distinct answer, not two per prompt block."""
         if not self._prefix or cap <= 0:
             return {}
         m = min(len(keys), cap // hash_unit)
-        alive = -1
-        reach: dict[int, int] = {}  # index -> common prefix in tokens
-        boundary_hit: dict[int, int] = {}  # index -> highest boundary reached
-        prefix_get = self._prefix.get
-        boundary_get = self._boundary.get
-        for i in range(m):
-            key = keys[i]
-            bits = prefix_get(key, 0) & alive
-            if bits != alive and alive != -1:
-                for index in _indexes(alive & ~bits):
-                    reach[index] = i * hash_unit
-            alive = bits
-            if not alive:
+        if m <= 0:
+            return {}
+        get = self._prefix.get
+        reach: dict[int, int] = {}  # index -> common prefix in units
+        lo, alive = 0, get(keys[0], 0)  # holders of keys[lo]; all of them hold keys[:lo]
+        while alive:
+            hi = m - 1
+            if get(keys[hi], 0) & alive == alive:  # every one of them reaches the end
+                for index in _indexes(alive):
+                    reach[index] = m
                 break
-            hit = boundary_get(key, 0) & alive
-            if hit:
-                for index in _indexes(hit):
-                    boundary_hit[index] = (i + 1) * hash_unit
-        if alive > 0:
-            for index in _indexes(alive):
-                reach[index] = m * hash_unit
+            while hi - lo > 1:  # invariant: keys[lo] held by all of alive, keys[hi] not
+                mid = (lo + hi) // 2
+                if get(keys[mid], 0) & alive == alive:
+                    lo = mid
+                else:
+                    hi = mid
+            rest = get(keys[hi], 0) & alive
+            for index in _indexes(alive & ~rest):
+                reach[index] = hi
+            lo, alive = hi, rest
         out: dict[int, int] = {}
-        for index, tokens in reach.items():
+        for index, units in reach.items():
             full_only, alignment = rule_of(index)
-            credit = tokens - tokens % alignment if full_only else boundary_hit.get(index, 0)
+            if full_only:
+                tokens = units * hash_unit
+                credit = tokens - tokens % alignment
+            else:
+                credit = self._boundary_reached(index, keys, units) * hash_unit
             if credit > 0:
                 out[index] = credit
         return out
+
+    def _boundary_reached(self, index: int, keys: Sequence[int], units: int) -> int:
+        """The furthest replay boundary (in units) of the worker's expectations within the
+        request's first `units` keys, or 0 (a key carries its end position in units)."""
+        best = 0
+        for exp in self._by_worker.get(index, {}).values():
+            key = exp.boundary_key
+            if key is None:
+                continue
+            at = key >> 64
+            if best < at <= units and keys[at - 1] == key:
+                best = at
+        return best
 
 
 def _indexes(bits: int) -> list[int]:

@@ -142,7 +142,8 @@ Global___KvEventBatch: _TypeAlias = KvEventBatch  # noqa: Y015
 
 @_typing.final
 class Snapshot(_message.Message):
-    """A worker's whole current cache: applying `events` in order to an empty view rebuilds it.
+    """A worker's whole current cache: applying `lineage`, then `events`, in order to an empty view
+    rebuilds it.
     Events are STOREs only (parents before children; a block held twice appears in two stores),
     plus empty STOREs that declare groups which exist but hold nothing. An empty snapshot is a
     reset. A snapshot always replaces the subscriber's view.
@@ -156,6 +157,7 @@ class Snapshot(_message.Message):
     EVENTS_FIELD_NUMBER: _builtins.int
     STREAM_ID_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
+    LINEAGE_FIELD_NUMBER: _builtins.int
     sequence: _builtins.int
     """the last engine sequence reflected (meaningful when has_sequence)"""
     has_sequence: _builtins.bool
@@ -166,6 +168,15 @@ class Snapshot(_message.Message):
     """why this snapshot was sent: initial, gap, restart, malformed, lagging"""
     @_builtins.property
     def events(self) -> _containers.RepeatedCompositeFieldContainer[Global___KvGroupEvent]: ...
+    @_builtins.property
+    def lineage(self) -> _containers.RepeatedCompositeFieldContainer[Global___KvGroupEvent]:
+        """Position-only evidence, applied before `events`: dense STOREs (hashes x block size ==
+        token span; parents before children) of blocks the engine no longer holds but whose
+        parent links and tokens place blocks it still holds (e.g. a sliding window's live tail
+        after its prefix was evicted). They give positions and hold no copies; a subscriber
+        that ignores them only places fewer blocks (answers lower, never higher).
+        """
+
     def __init__(
         self,
         *,
@@ -175,10 +186,11 @@ class Snapshot(_message.Message):
         events: _abc.Iterable[Global___KvGroupEvent] | None = ...,
         stream_id: _builtins.str = ...,
         reason: _builtins.str = ...,
+        lineage: _abc.Iterable[Global___KvGroupEvent] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dp_rank", b"dp_rank", "events", b"events", "has_sequence", b"has_sequence", "reason", b"reason", "sequence", b"sequence", "stream_id", b"stream_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dp_rank", b"dp_rank", "events", b"events", "has_sequence", b"has_sequence", "lineage", b"lineage", "reason", b"reason", "sequence", b"sequence", "stream_id", b"stream_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -17,6 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from router.body import read_bounded
 from router.config_load import ConfigError, worker_from_dict
 from router.decisions import DecisionLog, candidate_json
 from router.errors import (
@@ -24,7 +25,6 @@ from router.errors import (
     INVALID_FIELD,
     INVALID_JSON,
     NOT_FOUND,
-    TOO_LARGE,
     UNAUTHORIZED,
     RouterError,
     error_response,
@@ -98,21 +98,19 @@ class Admin:
             raise RouterError(UNAUTHORIZED, "missing or wrong admin bearer token")
 
     async def _json(self, request: Request) -> Any:
-        raw = await request.body()
-        if len(raw) > _MAX_ADMIN_BODY:
-            raise RouterError(TOO_LARGE, "admin request body too large")
+        raw = await read_bounded(request, _MAX_ADMIN_BODY)
         try:
             return msgspec.json.decode(raw)
-        except msgspec.DecodeError as exc:
+        except (msgspec.DecodeError, UnicodeDecodeError) as exc:
             raise RouterError(INVALID_JSON, f"request body is not valid JSON: {exc}") from None
 
     # -- explain --------------------------------------------------------------------------
     async def score(self, request: Request) -> Response:
         """Per-worker predicted reuse, load and cost for an OpenAI body; the would-be choice."""
-        raw = await request.body()
+        raw = await read_bounded(request, _MAX_ADMIN_BODY)
         try:
             probe = msgspec.json.decode(raw)
-        except msgspec.DecodeError as exc:
+        except (msgspec.DecodeError, UnicodeDecodeError) as exc:
             raise RouterError(INVALID_JSON, f"request body is not valid JSON: {exc}") from None
         endpoint = request.query_params.get("endpoint") or _guess_endpoint(probe)
         req = parse_request(endpoint, raw, request.scope["headers"])
@@ -128,7 +126,9 @@ class Admin:
         eligible = routing.eligible(route)
         key = session_key(req.header_map, req.body, routing.cfg)
         decision = routing.policy.decide(
-            eligible, RouteInput(prompt.n_tokens, reuse, key), self._clock()
+            eligible,
+            RouteInput(prompt.n_tokens, reuse, key, routing.coverage_lookup(prompt)),
+            self._clock(),
         )
         by_name = {c.name: c for c in decision.candidates}
         down = self._events.unusable()

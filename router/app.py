@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import importlib
 import logging
 import time
@@ -20,7 +21,9 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
+from router import dashboard
 from router.admin import Admin
 from router.config import RouterConfig, TokenizerConfig
 from router.decisions import DecisionLog
@@ -33,7 +36,7 @@ from router.metrics import RouterMetrics
 from router.openai_request import GENERATION_ENDPOINTS
 from router.passthrough import Passthrough
 from router.policy import LoadModel, Policy, SessionPicker, make_policy
-from router.proxy import Proxy
+from router.proxy import Proxy, ProxyEndpoint
 from router.routing import Routing, TokenizerLike
 from router.tokenize import Tokenizers, TokenizerSpec
 from router.upstream import Upstream
@@ -133,12 +136,35 @@ class _Housekeeping:
             self._session.forget(worker.name)
 
 
+class RouterApp(Starlette):
+    """Starlette with the proxy routes dispatched first, straight to their ASGI endpoints.
+
+    The proxy endpoints are plain ASGI apps that answer every error themselves, so
+    Starlette's routing table and exception middleware only cost time on the hot path
+    (about a tenth of the router's CPU per request); every other route goes through
+    Starlette as usual (a GET on a proxy path still gets Starlette's 405).
+    """
+
+    def __init__(self, fast_post: dict[str, ProxyEndpoint], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._fast_post = fast_post
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            endpoint = self._fast_post.get(scope["path"])
+            if endpoint is not None:
+                scope["app"] = self
+                await endpoint(scope, receive, send)
+                return
+        await super().__call__(scope, receive, send)
+
+
 def create_app(
     cfg: RouterConfig,
     *,
     index: IndexView | None = None,
     tokenizers: TokenizerLike | None = None,
-    transport_factory: TransportFactory = default_transport,
+    transport_factory: TransportFactory | None = None,
     clock: Callable[[], float] = time.monotonic,
 ) -> Starlette:
     """Build the router app. The returned app's `state.kvroute` holds its `Components`."""
@@ -150,6 +176,8 @@ def create_app(
         on_breaker_change=lambda w, old, new: metrics.breaker_transitions.labels(w.name, new).inc(),
     )
     index = index if index is not None else build_index(cfg)
+    if transport_factory is None:
+        transport_factory = functools.partial(default_transport, cfg=cfg.events)
     events = EventSubscriptions(index, cfg.events, metrics, transport_factory, clock)
     registry.listen(events)
     verifier = Verifier(cfg.verify, metrics, events.resync, clock)
@@ -209,8 +237,9 @@ def create_app(
     async def metrics_endpoint(request: Request) -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    endpoints = {path: proxy.endpoint(path) for path in GENERATION_ENDPOINTS}
     routes: list[Route] = [
-        Route(path, proxy.endpoint(path), methods=["POST"]) for path in GENERATION_ENDPOINTS
+        Route(path, endpoint, methods=["POST"]) for path, endpoint in endpoints.items()
     ]
     routes += [
         Route("/v1/models", passthrough.models, methods=["GET"]),
@@ -219,6 +248,7 @@ def create_app(
         Route("/health", passthrough.health, methods=["GET"]),
         Route("/metrics", metrics_endpoint, methods=["GET"]),
         *admin.routes(),
+        *dashboard.routes(),
     ]
 
     @contextlib.asynccontextmanager
@@ -259,7 +289,7 @@ def create_app(
                 await aclose()
             await upstream.close()
 
-    app = Starlette(routes=routes, lifespan=lifespan)
+    app = RouterApp(dict(endpoints), routes=routes, lifespan=lifespan)
     app.state.kvroute = Components(
         cfg, metrics, registry, index, events, routing, proxy, verifier, decisions, upstream, policy
     )

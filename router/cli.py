@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import logging
 import os
@@ -54,7 +55,9 @@ def app_from_env() -> Any:
 
     config = config_from_dict(json.loads(os.environ[RESOLVED_ENV]))
     _setup_logging(config.log_level)
-    return create_app(config)
+    app = create_app(config)
+    tune_gc()
+    return app
 
 
 def _setup_logging(level: str) -> None:
@@ -86,9 +89,11 @@ def main(argv: list[str]) -> int:
         "http": "httptools",
         "lifespan": "on",
         "access_log": False,
+        "proxy_headers": False,  # the router never reads the client address
         "server_header": False,
         "log_level": config.log_level,
         "timeout_graceful_shutdown": int(config.timeouts.shutdown_s),
+        "timeout_keep_alive": int(config.timeouts.keep_alive_s),
         "backlog": 4096,
     }
     if config.processes > 1:
@@ -97,5 +102,21 @@ def main(argv: list[str]) -> int:
         return 0
     from router.app import create_app
 
-    uvicorn.run(create_app(config), **common)
+    app = create_app(config)
+    tune_gc()
+    uvicorn.run(app, **common)
     return 0
+
+
+def tune_gc() -> None:
+    """Collect garbage less often, and never look at start-up objects again.
+
+    A request allocates a few hundred objects (its decoded body holds a list per prompt,
+    1024 ids long for a 1024-token prompt); with Python's default first-generation
+    threshold (700) and dozens of requests in flight, the collector ran every few requests
+    and walked every live prompt list each time: ~10 % of the router's CPU. The router
+    makes few reference cycles, so rarer collections cost little memory.
+    """
+    gc.freeze()  # modules, config, index structures built so far: permanent
+    gen0, gen1, gen2 = gc.get_threshold()
+    gc.set_threshold(max(gen0, 20_000), gen1, gen2)

@@ -76,6 +76,15 @@ class PolicyConfig:
     spill: bool = _f(
         True, "when the best worker is saturated, send the request to the best unsaturated one"
     )
+    affinity_weight: float = _f(
+        0.5,
+        "when nothing is reusable anywhere, credit a worker this fraction of the prefill time "
+        "of the prompt tokens its full-attention blocks already hold (hybrid models store "
+        "state at such junctions, so later requests reuse it there); 0 = off",
+    )
+    affinity_max_workers: int = _f(
+        64, "skip that affinity lookup (per-worker, slow) above this many eligible workers"
+    )
     session_header: str = _f("x-session-id", "request header holding the session key")
     session_field: str = _f("user", "request body field holding the session key")
     session_bounded_load: float = _f(
@@ -89,7 +98,7 @@ class PolicyConfig:
     avg_prompt_tokens: int = _f(
         1024, "initial estimate of a waiting request's prefill tokens (learned at run time)"
     )
-    seed: int | None = _f(None, "seed for the random policy and jitter (unset = random)")
+    seed: int | None = _f(None, "seed of the random policy (unset = random)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +118,11 @@ class TimeoutsConfig:
     read_idle_s: float = _f(600.0, "upstream silence (no byte) longer than this fails the call")
     health_s: float = _f(2.0, "timeout of one health / models / metrics probe")
     retry_after_s: int = _f(1, "Retry-After seconds sent with 503 when no worker can serve")
+    keep_alive_s: float = _f(
+        75.0,
+        "idle client connections are kept this long; above load balancers' idle timeouts "
+        "(60 s is common), so the router never closes a connection a client is reusing",
+    )
     shutdown_s: float = _f(30.0, "on shutdown, wait this long for streams to finish")
 
 
@@ -148,8 +162,17 @@ class LoadConfig:
 class EventsConfig:
     reconnect_initial_s: float = _f(0.2, "first wait before re-subscribing to a lost stream")
     reconnect_max_s: float = _f(5.0, "upper bound of the reconnect backoff")
+    keepalive_s: float = _f(
+        20.0, "gRPC keepalive ping period on bridge streams (finds a silently cut network)"
+    )
+    keepalive_timeout_s: float = _f(10.0, "a keepalive ping unanswered this long drops the stream")
     max_entries_per_worker: int = _f(2_000_000, "index entries kept per worker (LRU beyond)")
     max_pending_per_worker: int = _f(100_000, "unresolved reported blocks kept per worker")
+    snapshot_step_blocks: int = _f(
+        1024,
+        "a snapshot is applied this many blocks at a time, serving requests in between "
+        "(the old view answers until the new one is complete)",
+    )
 
 
 @dataclass(frozen=True, slots=True)

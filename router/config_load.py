@@ -251,6 +251,8 @@ def validate(c: RouterConfig) -> list[str]:
     for key in ("prefill_tokens_per_s", "saturation_queue_s", "session_bounded_load"):
         need(getattr(p, key) > 0, f"policy.{key}: expected a number > 0")
     need(p.decode_s_per_running >= 0, "policy.decode_s_per_running: expected >= 0")
+    need(p.affinity_weight >= 0, "policy.affinity_weight: expected >= 0")
+    need(p.affinity_max_workers >= 0, "policy.affinity_max_workers: expected >= 0")
     need(p.session_bounded_load >= 1, "policy.session_bounded_load: expected >= 1")
     need(0 < p.kv_usage_saturation <= 1, "policy.kv_usage_saturation: expected in (0, 1]")
     need(p.max_running_per_worker >= 1, "policy.max_running_per_worker: expected >= 1")
@@ -292,6 +294,7 @@ def validate(c: RouterConfig) -> list[str]:
     need(e.reconnect_max_s >= e.reconnect_initial_s, "events.reconnect_max_s: below initial")
     need(e.max_entries_per_worker >= 1, "events.max_entries_per_worker: expected >= 1")
     need(e.max_pending_per_worker >= 0, "events.max_pending_per_worker: expected >= 0")
+    need(e.snapshot_step_blocks >= 1, "events.snapshot_step_blocks: expected >= 1")
 
     v = c.verify
     need(v.window >= 1, "verify.window: expected >= 1")

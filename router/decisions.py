@@ -72,6 +72,7 @@ def candidate_json(c: Candidate) -> dict[str, Any]:
         "kv_usage": c.kv_usage,
         "est_ttft_s": round(c.est_ttft_s, 6),
         "saturated": c.saturated,
+        "affinity_tokens": c.affinity,
     }
 
 

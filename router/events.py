@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from bridge.client import SUBSCRIBE_METHOD, ResumePoint
 from proto import events_pb2
@@ -64,19 +65,25 @@ class Transport(Protocol):
 class GrpcTransport:
     """The bridge's KvEvents.Subscribe over one gRPC channel (kept across reconnects)."""
 
-    def __init__(self, target: str) -> None:
+    def __init__(self, target: str, keepalive_s: float = 20.0, timeout_s: float = 10.0) -> None:
         self._channel = grpc.aio.insecure_channel(
             target,
             options=[
                 ("grpc.max_receive_message_length", 512 * 1024 * 1024),
-                ("grpc.keepalive_time_ms", 20_000),
-                ("grpc.keepalive_timeout_ms", 10_000),
+                ("grpc.keepalive_time_ms", int(keepalive_s * 1000)),
+                ("grpc.keepalive_timeout_ms", int(timeout_s * 1000)),
+                # grpc 1.8x waits for a ping's ack this long (default 60 s), whatever the
+                # keepalive timeout says: without it a silent cut went unnoticed for a minute
+                ("grpc.http2.ping_timeout_ms", int(timeout_s * 1000)),
+                # keep pinging on a quiet stream (an idle engine sends nothing for minutes)
+                ("grpc.http2.max_pings_without_data", 0),
             ],
         )
         self._subscribe = self._channel.unary_stream(
             SUBSCRIBE_METHOD,
             request_serializer=events_pb2.SubscribeRequest.SerializeToString,
-            response_deserializer=events_pb2.SubscribeResponse.FromString,
+            # decoded in open(): grpc's own decoding logs every bad message and yields None
+            response_deserializer=_raw,
         )
 
     async def open(
@@ -84,9 +91,14 @@ class GrpcTransport:
     ) -> AsyncIterator[events_pb2.SubscribeResponse | None]:
         call = self._subscribe(request)
         try:
-            await call.initial_metadata()  # headers: the bridge accepted the subscription
-            yield None
-            async for message in call:
+            await call.initial_metadata()  # headers: the bridge accepted the subscription...
+            if not call.done():  # ...unless the call already failed (a refused connection)
+                yield None
+            async for raw in call:
+                try:
+                    message = events_pb2.SubscribeResponse.FromString(raw)
+                except DecodeError as exc:
+                    raise BadMessage(f"undecodable message from the bridge: {exc}") from None
                 yield message
         finally:
             call.cancel()
@@ -95,12 +107,22 @@ class GrpcTransport:
         await self._channel.close(grace=None)
 
 
+class BadMessage(Exception):
+    """The bridge sent bytes that are not a SubscribeResponse: the stream is dropped and
+    subscribed again (resuming after the last message applied)."""
+
+
+def _raw(data: bytes) -> bytes:
+    return data
+
+
 TransportFactory = Callable[[Worker], "Transport | None"]
 
 
-def default_transport(worker: Worker) -> Transport | None:
+def default_transport(worker: Worker, cfg: EventsConfig | None = None) -> Transport | None:
     if worker.spec.bridge:
-        return GrpcTransport(worker.spec.bridge)
+        cfg = cfg or EventsConfig()
+        return GrpcTransport(worker.spec.bridge, cfg.keepalive_s, cfg.keepalive_timeout_s)
     if worker.spec.zmq:
         from router.zmq_source import ZmqTransport
 
@@ -253,7 +275,7 @@ class EventSubscriptions:
                         self._go_live(name, status)
                     continue
                 try:
-                    self._handle(name, status, message)
+                    await self._handle(name, status, message)
                 except Exception as exc:  # a bad message must not kill the subscription
                     self._ratelog.error(
                         name, "events %s: cannot apply a message (%s); resynchronising", name, exc
@@ -269,18 +291,23 @@ class EventSubscriptions:
             status.last_error = f"{exc.code().name}: {exc.details()}"
         except (OSError, ConnectionError) as exc:
             status.last_error = str(exc)
+        except BadMessage as exc:
+            got = False  # back off: a bridge that sends garbage will likely do it again
+            status.last_error = str(exc)
+            self._metrics.event_bad_messages.labels(name).inc()
+            self._ratelog.warning(f"bad-{name}", "events %s: %s; resubscribing", name, exc)
         finally:
             await stream.aclose()  # type: ignore[attr-defined]
         return got
 
-    def _handle(
+    async def _handle(
         self, name: str, status: StreamStatus, message: events_pb2.SubscribeResponse
     ) -> None:
         started = time.perf_counter()
         kind = message.WhichOneof("message")
         if kind == "snapshot":
             snap = message.snapshot
-            self._index.apply_snapshot(name, snap)
+            started += await self._apply_snapshot(name, snap)
             status.snapshots += 1
             status.stream_id = snap.stream_id
             status.last_sequence = snap.sequence if snap.has_sequence else None
@@ -298,6 +325,23 @@ class EventSubscriptions:
             return
         self._metrics.event_apply_seconds.observe(time.perf_counter() - started)
         status.last_message_at = self._clock()
+
+    async def _apply_snapshot(self, name: str, snap: events_pb2.Snapshot) -> float:
+        """Apply a snapshot in bounded steps, letting requests run in between (the worker's
+        old view answers until the new one is complete); returns the seconds spent waiting
+        between steps, so only the time on the loop is measured."""
+        steps = self._index.apply_snapshot_steps(name, snap, self._cfg.snapshot_step_blocks)
+        waited = 0.0
+        try:
+            for _ in steps:
+                paused = time.perf_counter()
+                await asyncio.sleep(0)
+                waited += time.perf_counter() - paused
+        finally:
+            close = getattr(steps, "close", None)
+            if close is not None:
+                close()  # cancelled midway: the index drops the snapshot
+        return waited
 
     def _go_live(self, name: str, status: StreamStatus) -> None:
         if status.state == LIVE:

@@ -5,9 +5,9 @@ owns time: expectations get an absolute expiry and are expired lazily on scoring
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
-from indexer import FleetIndex, Namespace
+from indexer import FleetIndex, Namespace, content_keys
 from proto import events_pb2
 from router.index_view import GroupReuse, IndexStats, ReuseExplanation
 
@@ -44,18 +44,35 @@ class FleetIndexView:
             self._last_expire = now
             self.index.expire(now)
 
-    def score(
+    def prompt_keys(
         self, token_ids: Sequence[int], lora_name: str = "", cache_salt: str = ""
+    ) -> Sequence[int]:
+        return content_keys(token_ids, _ns(lora_name, cache_salt), self.index.hash_unit)
+
+    def score(
+        self,
+        token_ids: Sequence[int],
+        lora_name: str = "",
+        cache_salt: str = "",
+        keys: Sequence[int] | None = None,
     ) -> Mapping[str, int | None]:
         self._expire()
-        return self.index.score(token_ids, _ns(lora_name, cache_salt))
+        if keys is None:
+            keys = self.prompt_keys(token_ids, lora_name, cache_salt)
+        return self.index.score_keys(keys, len(token_ids))
 
     def explain(
-        self, token_ids: Sequence[int], lora_name: str = "", cache_salt: str = ""
+        self,
+        token_ids: Sequence[int],
+        lora_name: str = "",
+        cache_salt: str = "",
+        keys: Sequence[int] | None = None,
     ) -> Mapping[str, ReuseExplanation]:
         self._expire()
+        if keys is None:
+            keys = self.prompt_keys(token_ids, lora_name, cache_salt)
         out: dict[str, ReuseExplanation] = {}
-        for worker, ws in self.index.explain(token_ids, _ns(lora_name, cache_salt)).items():
+        for worker, ws in self.index.explain_keys(keys, len(token_ids)).items():
             groups = [
                 GroupReuse(g.group_id, g.kind, g.block_size, g.sliding_window, g.accepted_tokens)
                 for g in ws.groups
@@ -65,16 +82,42 @@ class FleetIndexView:
             )
         return out
 
+    def coverage(
+        self,
+        token_ids: Sequence[int],
+        lora_name: str = "",
+        cache_salt: str = "",
+        keys: Sequence[int] | None = None,
+    ) -> Mapping[str, int | None]:
+        # explain() walks one worker at a time: fine for small fleets (the caller bounds it)
+        return {
+            worker: exp.full_attention_only()
+            for worker, exp in self.explain(token_ids, lora_name, cache_salt, keys).items()
+        }
+
     def expect(
-        self, worker: str, token_ids: Sequence[int], lora_name: str, cache_salt: str, ttl_s: float
+        self,
+        worker: str,
+        token_ids: Sequence[int],
+        lora_name: str,
+        cache_salt: str,
+        ttl_s: float,
+        keys: Sequence[int] | None = None,
     ) -> None:
-        self.index.expect(worker, token_ids, _ns(lora_name, cache_salt), self._clock() + ttl_s)
+        if keys is None:
+            keys = self.prompt_keys(token_ids, lora_name, cache_salt)
+        self.index.expect_keys(worker, keys, len(token_ids), self._clock() + ttl_s)
 
     def apply(self, worker: str, batch: events_pb2.KvEventBatch) -> None:
         self.index.apply(worker, batch)
 
     def apply_snapshot(self, worker: str, snapshot: events_pb2.Snapshot) -> None:
         self.index.apply_snapshot(worker, snapshot)
+
+    def apply_snapshot_steps(
+        self, worker: str, snapshot: events_pb2.Snapshot, blocks_per_step: int
+    ) -> Iterator[None]:
+        return self.index.apply_snapshot_steps(worker, snapshot, blocks_per_step)
 
     def invalidate(self, worker: str) -> None:
         self.index.invalidate(worker)

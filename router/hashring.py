@@ -83,4 +83,5 @@ class HashRing:
             if len(seen) == len(self._members):
                 break
         # Unreachable in theory (someone is at or below the mean); stay total anyway.
-        return min(candidates, key=lambda m: load.get(m, 0))
+        # (sorted: set order depends on the process's hash seed; replicas must agree)
+        return min(sorted(candidates), key=lambda m: load.get(m, 0))

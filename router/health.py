@@ -128,7 +128,7 @@ class ModelsProbe:
             return
         try:
             listing = _models_decoder.decode(body)
-        except (msgspec.DecodeError, msgspec.ValidationError):
+        except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError):
             log.warning("worker %s: /v1/models is not a model list", worker.name)
             return
         cards = {str(card["id"]): card for card in listing.data if isinstance(card.get("id"), str)}

@@ -7,7 +7,7 @@ expectations, statistics as plain records).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -59,24 +59,65 @@ class IndexStats:
 
 
 class IndexView(Protocol):
-    def score(
+    """Every query takes the prompt's token ids and namespace; `keys`, when given, must be
+    what `prompt_keys` returned for exactly those, so a request is hashed once however many
+    queries it makes (score, expectation, coverage)."""
+
+    def prompt_keys(
         self, token_ids: Sequence[int], lora_name: str = "", cache_salt: str = ""
+    ) -> Sequence[int] | None:
+        """The prompt's keys in this namespace (None: this view does not use any)."""
+        ...
+
+    def score(
+        self,
+        token_ids: Sequence[int],
+        lora_name: str = "",
+        cache_salt: str = "",
+        keys: Sequence[int] | None = None,
     ) -> Mapping[str, int | None]:
         """Predicted reusable tokens per known worker (None = no evidence)."""
         ...
 
     def explain(
-        self, token_ids: Sequence[int], lora_name: str = "", cache_salt: str = ""
+        self,
+        token_ids: Sequence[int],
+        lora_name: str = "",
+        cache_salt: str = "",
+        keys: Sequence[int] | None = None,
     ) -> Mapping[str, ReuseExplanation]: ...
 
+    def coverage(
+        self,
+        token_ids: Sequence[int],
+        lora_name: str = "",
+        cache_salt: str = "",
+        keys: Sequence[int] | None = None,
+    ) -> Mapping[str, int | None]:
+        """Prompt tokens each worker's full-attention groups hold (may exceed the reuse)."""
+        ...
+
     def expect(
-        self, worker: str, token_ids: Sequence[int], lora_name: str, cache_salt: str, ttl_s: float
+        self,
+        worker: str,
+        token_ids: Sequence[int],
+        lora_name: str,
+        cache_salt: str,
+        ttl_s: float,
+        keys: Sequence[int] | None = None,
     ) -> None:
         """Credit `worker` with the prompt for `ttl_s` seconds (until its events arrive)."""
         ...
 
     def apply(self, worker: str, batch: events_pb2.KvEventBatch) -> None: ...
     def apply_snapshot(self, worker: str, snapshot: events_pb2.Snapshot) -> None: ...
+    def apply_snapshot_steps(
+        self, worker: str, snapshot: events_pb2.Snapshot, blocks_per_step: int
+    ) -> Iterator[None]:
+        """`apply_snapshot` in steps of about `blocks_per_step` blocks, yielding between
+        them; the worker's old view answers until the new one is complete."""
+        ...
+
     def invalidate(self, worker: str) -> None: ...
     def remove_worker(self, worker: str) -> None: ...
     def set_alignment(self, worker: str, alignment: int | None) -> None: ...

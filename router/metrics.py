@@ -1,8 +1,9 @@
 """The router's Prometheus metrics, on a registry owned by the app (no module globals).
 
-Counters and histograms are updated where things happen; per-worker state (load, health,
-breaker, index statistics) is read at scrape time by `WorkerStateCollector`, so the request
-path never touches those gauges.
+Counters and histograms are updated where things happen (router.lite_metrics: plain numbers
+on cached label children, turned into Prometheus families at scrape time); per-worker state
+(load, health, breaker, index statistics) is read at scrape time by `WorkerStateCollector`,
+so the request path never touches those gauges.
 """
 
 from __future__ import annotations
@@ -11,11 +12,13 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from router.breaker import STATE_CODES
+from router.lite_metrics import LiteCounter as Counter
+from router.lite_metrics import LiteHistogram as Histogram
 
 if TYPE_CHECKING:
     from router.events import EventSubscriptions
@@ -31,7 +34,6 @@ class RouterMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
-        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self.requests = Counter(
             "kvroute_requests",
             "Requests answered, by endpoint and HTTP status",
@@ -147,6 +149,12 @@ class RouterMetrics:
             ["worker"],
             registry=r,
         )
+        self.event_bad_messages = Counter(
+            "kvroute_event_bad_messages",
+            "Undecodable messages from a bridge (the stream is dropped and resubscribed)",
+            ["worker"],
+            registry=r,
+        )
         self.event_apply_seconds = Histogram(
             "kvroute_event_apply_seconds",
             "Time to apply one batch or snapshot to the index (on the event loop)",
@@ -157,13 +165,10 @@ class RouterMetrics:
             "kvroute_log_suppressed", "Log lines suppressed by rate limiting", registry=r
         )
 
-    def child(self, metric: Any, *values: str) -> Any:
-        """`metric.labels(*values)`, cached: the label lookup is not free on the hot path."""
-        key = (id(metric), values)
-        found = self._children.get(key)
-        if found is None:
-            found = self._children[key] = metric.labels(*values)
-        return found
+    @staticmethod
+    def child(metric: Any, *values: str) -> Any:
+        """`metric.labels(*values)` (children are cached by the metric itself)."""
+        return metric.labels(*values)
 
     def attach_state(
         self,

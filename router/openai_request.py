@@ -73,7 +73,7 @@ def parse_request(
     """Decode and check a request body; raises RouterError (400) with the offending param."""
     try:
         body = _decoder.decode(raw)
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
         raise RouterError(INVALID_JSON, f"request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise RouterError(INVALID_JSON, "request body must be a JSON object")
@@ -167,8 +167,25 @@ def _bad(param: str, what: str) -> RouterError:
     return RouterError(INVALID_FIELD, f"'{param}' {what}", param=param)
 
 
-def with_stream_usage(body: dict[str, Any]) -> bytes:
-    """The body re-encoded with stream usage on (continuous usage off, as the client had it)."""
+def skips_prefix_cache(req: ClientRequest) -> bool:
+    """Requests vLLM serves without reading the prefix cache: `prompt_logprobs` (it must
+    compute every prompt position) and pooling (embeddings). They reuse nothing anywhere."""
+    return req.endpoint == EMBEDDINGS or req.body.get("prompt_logprobs") is not None
+
+
+_USAGE_ON = b',"stream_options":{"include_usage":true,"continuous_usage_stats":false}}'
+
+
+def with_stream_usage(body: dict[str, Any], raw: bytes | None = None) -> bytes:
+    """The body with stream usage on (continuous usage off, as the client had it).
+
+    `raw`, the bytes `body` was decoded from: without `stream_options` in it, the option is
+    spliced in before the object's closing brace instead of re-encoding the whole body (a
+    long prompt costs microseconds to encode); the body is otherwise forwarded verbatim."""
+    if raw is not None and "stream_options" not in body and body:
+        end = raw.rstrip()
+        if end.endswith(b"}"):
+            return end[:-1] + _USAGE_ON
     opts = dict(body.get("stream_options") or {})
     opts["include_usage"] = True
     opts["continuous_usage_stats"] = False

@@ -10,10 +10,10 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from router.body import read_bounded
 from router.errors import (
     INVALID_JSON,
     NO_WORKER,
-    TOO_LARGE,
     UNKNOWN_MODEL,
     UPSTREAM,
     UPSTREAM_TIMEOUT,
@@ -25,7 +25,7 @@ from router.openai_request import forward_headers
 from router.upstream import Upstream, UpstreamConnectError, UpstreamTimeout
 from router.workers import Worker, WorkerRegistry
 
-_KEEP_RESPONSE_HEADERS = ("content-type",)
+_KEEP_RESPONSE_HEADERS = (b"content-type",)
 
 
 class Passthrough:
@@ -49,12 +49,10 @@ class Passthrough:
         """POST the body to the least busy eligible worker serving the body's model."""
         path = request.url.path
         try:
-            raw = await request.body()
-            if len(raw) > self._max_body:
-                raise RouterError(TOO_LARGE, f"request body exceeds {self._max_body} bytes")
+            raw = await read_bounded(request, self._max_body)
             try:
                 body = msgspec.json.decode(raw)
-            except msgspec.DecodeError as exc:
+            except (msgspec.DecodeError, UnicodeDecodeError) as exc:
                 raise RouterError(INVALID_JSON, f"request body is not valid JSON: {exc}") from None
             if not isinstance(body, dict):
                 raise RouterError(INVALID_JSON, "request body must be a JSON object")
@@ -72,7 +70,11 @@ class Passthrough:
                 raise RouterError(UPSTREAM_TIMEOUT, f"{worker.name}: {exc}") from None
             except UpstreamConnectError as exc:
                 raise RouterError(UPSTREAM, f"{worker.name}: {exc}") from None
-            headers = {k: v for k, v in resp.headers.items() if k.lower() in _KEEP_RESPONSE_HEADERS}
+            headers = {
+                k.decode("latin-1"): v.decode("latin-1")
+                for k, v in resp.headers
+                if k in _KEEP_RESPONSE_HEADERS
+            }
             self._metrics.requests.labels(path, str(resp.status)).inc()
             return Response(data, resp.status, headers=headers)
         except RouterError as exc:

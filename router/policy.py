@@ -23,6 +23,7 @@ from router.workers import Worker
 # Reasons (stable strings, also metric label values)
 CACHE = "cache"  # the best estimated TTFT, with reuse somewhere in the fleet
 SPILL = "spill"  # best was saturated; next best unsaturated taken
+AFFINITY = "affinity"  # nothing reusable: where the prompt's full-attention blocks already are
 SESSION = "session"  # no cache evidence: consistent hash of the session key
 LEAST_LOAD = "least_load"  # no cache evidence and no session key (or policy least_load)
 ROUND_ROBIN = "round_robin"
@@ -42,6 +43,7 @@ class Candidate:
     kv_usage: float | None
     est_ttft_s: float
     saturated: bool
+    affinity: int = 0  # prompt tokens in its full-attention blocks (looked up on cold requests)
 
     @property
     def name(self) -> str:
@@ -67,6 +69,8 @@ class RouteInput:
     n_tokens: int  # prompt length (estimated when ids are unknown)
     reuse: Mapping[str, int | None]  # predicted reuse per worker (empty = no ids)
     session_key: str | None
+    # full-attention coverage per worker, computed only if a policy asks (it is slower)
+    coverage: Callable[[], Mapping[str, int | None]] | None = None
 
 
 class LoadModel:
@@ -226,6 +230,9 @@ class TTFTPolicy(Policy):
         )
 
     def _cold(self, cands: list[Candidate], req: RouteInput) -> tuple[Candidate, str, str]:
+        found = self._affinity(cands, req)
+        if found is not None:
+            return found
         if req.session_key is not None:
             chosen = self.session.pick(cands, req.session_key)
             if chosen is not None:
@@ -234,9 +241,38 @@ class TTFTPolicy(Policy):
         chosen = least_load(calm, self.rotation)
         return chosen, LEAST_LOAD, "no cache evidence and no session key; least load"
 
+    def _affinity(
+        self, cands: list[Candidate], req: RouteInput
+    ) -> tuple[Candidate, str, str] | None:
+        """Nothing is reusable now, but a worker's full-attention blocks may hold the prompt's
+        prefix (on hybrid models vLLM keeps sliding-window/Mamba state only at junctions).
+        Sending the request there creates that junction: the next requests sharing the
+        prefix reuse it. Credit `affinity_weight` of those tokens' prefill time."""
+        weight = self.cfg.affinity_weight
+        if req.coverage is None or weight <= 0 or len(cands) > self.cfg.affinity_max_workers:
+            return None
+        coverage = req.coverage()
+        if not any(coverage.values()):
+            return None
+        credit = weight / self.cfg.prefill_tokens_per_s
+        for c in cands:
+            c.affinity = min(coverage.get(c.name) or 0, req.n_tokens)
+        calm = [c for c in cands if not c.saturated] or cands
+        best = min(calm, key=lambda c: (c.est_ttft_s - credit * c.affinity, -c.affinity))
+        if best.affinity <= 0:
+            return None
+        return (
+            best,
+            AFFINITY,
+            f"nothing reusable yet; {best.affinity} prompt tokens are in its full-attention "
+            "blocks (serving it there stores the state later requests reuse)",
+        )
 
-def _ttft_key(c: Candidate) -> tuple[float, int, int]:
-    return (c.est_ttft_s, -(c.reuse or 0), c.running)
+
+def _ttft_key(c: Candidate) -> tuple[float, int, int, str]:
+    # The name breaks exact ties, so replicas whose registries list the workers in different
+    # orders (discovery events arrive in any order) still make the same choice.
+    return (c.est_ttft_s, -(c.reuse or 0), c.running, c.name)
 
 
 class FullAttentionOnlyPolicy(TTFTPolicy):
@@ -244,6 +280,7 @@ class FullAttentionOnlyPolicy(TTFTPolicy):
 
     Identical decision rule; the app computes `RouteInput.reuse` from the full-attention
     groups only, so benchmark comparisons isolate the effect of hybrid-correct scoring.
+    (Its reuse already is the coverage, so the affinity step never applies.)
     """
 
     name = "full_attention_only"

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,20 +52,20 @@ from router.workers import Worker, WorkerRegistry
 
 log = logging.getLogger("kvroute.router.proxy")
 
-Scope = dict[str, Any]
+Scope = MutableMapping[str, Any]
 Receive = Callable[[], Any]
 Send = Callable[[dict[str, Any]], Any]
 
 _RESPONSE_DROP = frozenset(
     {
-        "content-length",
-        "transfer-encoding",
-        "connection",
-        "keep-alive",
-        "server",
-        "date",
-        "trailer",
-        "upgrade",
+        b"content-length",
+        b"transfer-encoding",
+        b"connection",
+        b"keep-alive",
+        b"server",
+        b"date",
+        b"trailer",
+        b"upgrade",
     }
 )
 _JSON = [(b"content-type", b"application/json")]
@@ -82,6 +82,46 @@ class _Failure:
 
 class _ClientGone(Exception):
     pass
+
+
+# A client that disconnects is noticed by a task waiting on `receive()`. Most requests are
+# over before this; the watch starts only then, so they never pay for that task (a
+# disconnect earlier than this is acted on when the watch starts: `receive()` reports it).
+_WATCH_AFTER_S = 0.05
+
+
+class _DisconnectWatch:
+    """Cancels the handling task when the client goes away (started late, see above)."""
+
+    __slots__ = ("_handler", "_receive", "_task", "_timer", "gone")
+
+    def __init__(self, receive: Receive) -> None:
+        self._receive = receive
+        self._handler = asyncio.current_task()
+        self._task: asyncio.Task[None] | None = None
+        self.gone = False
+        self._timer: asyncio.TimerHandle | None = asyncio.get_running_loop().call_later(
+            _WATCH_AFTER_S, self._start
+        )
+
+    def _start(self) -> None:
+        self._timer = None
+        self._task = asyncio.ensure_future(self._watch())
+
+    async def _watch(self) -> None:
+        while True:
+            message = await self._receive()
+            if message["type"] == "http.disconnect":
+                self.gone = True
+                if self._handler is not None:
+                    self._handler.cancel()
+                return
+
+    def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        if self._task is not None:
+            self._task.cancel()
 
 
 class Proxy:
@@ -126,8 +166,7 @@ class Proxy:
         started = time.perf_counter()
         status = 500
         self._in_flight += 1
-        watcher: asyncio.Task[None] | None = None
-        gone = {"flag": False}
+        watch: _DisconnectWatch | None = None
         try:
             if self._in_flight > self._cfg.limits.max_in_flight:
                 raise RouterError(
@@ -136,7 +175,7 @@ class Proxy:
                     retry_after=self._cfg.timeouts.retry_after_s,
                 )
             raw = await self._read_body(scope, receive)
-            watcher = self._watch_disconnect(receive, gone)
+            watch = _DisconnectWatch(receive)
             status = await self._route_and_forward(path, raw, scope, send)
         except RouterError as exc:
             status = exc.kind.status
@@ -145,7 +184,7 @@ class Proxy:
             await _send_error(send, exc)
         except asyncio.CancelledError:
             task = asyncio.current_task()
-            if not gone["flag"] or task is None:
+            if watch is None or not watch.gone or task is None:
                 raise
             task.uncancel()
             status = 499
@@ -155,8 +194,8 @@ class Proxy:
             self._metrics.disconnects.inc()
         finally:
             self._in_flight -= 1
-            if watcher is not None:
-                watcher.cancel()
+            if watch is not None:
+                watch.stop()
             self._metrics.child(self._metrics.requests, path, str(status)).inc()
             self._metrics.child(self._metrics.duration, path).observe(time.perf_counter() - started)
 
@@ -183,26 +222,11 @@ class Proxy:
             if not message.get("more_body", False):
                 return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
-    def _watch_disconnect(self, receive: Receive, gone: dict[str, bool]) -> asyncio.Task[None]:
-        """Cancel the handling task when the client disconnects."""
-        task = asyncio.current_task()
-
-        async def watch() -> None:
-            while True:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    gone["flag"] = True
-                    if task is not None:
-                        task.cancel()
-                    return
-
-        return asyncio.create_task(watch())
-
     async def _route_and_forward(self, path: str, raw: bytes, scope: Scope, send: Send) -> int:
         routing = self._routing
         req = parse_request(path, raw, scope["headers"])
         route = routing.resolve_model(req)
-        if not routing.eligible(route):
+        if not routing.any_eligible(route):
             raise RouterError(
                 NO_WORKER,
                 f"no healthy worker can serve model `{route.name}` right now",
@@ -222,7 +246,7 @@ class Proxy:
             decision,
         )
         inject_usage = req.stream and not req.wants_usage and path in (CHAT, COMPLETIONS)
-        body = with_stream_usage(req.body) if inject_usage else req.raw
+        body = with_stream_usage(req.body, req.raw) if inject_usage else req.raw
         if inject_usage:
             self._metrics.usage_injected.inc()
         self._budget.on_request()
@@ -460,11 +484,7 @@ def _single_prompt(req: ClientRequest) -> bool:
 
 
 def _resp_headers(resp: UpstreamResponse) -> list[tuple[bytes, bytes]]:
-    return [
-        (k.lower().encode("latin-1"), v.encode("latin-1"))
-        for k, v in resp.headers.items()
-        if k.lower() not in _RESPONSE_DROP
-    ]
+    return [(k, v) for k, v in resp.headers if k not in _RESPONSE_DROP]
 
 
 def _too_large(limit: int) -> RouterError:

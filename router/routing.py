@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -18,7 +18,7 @@ from router.config import ModelSpec, PolicyConfig
 from router.errors import NO_WORKER, TOKENIZE, UNKNOWN_MODEL, RouterError
 from router.index_view import IndexView
 from router.metrics import RouterMetrics
-from router.openai_request import ClientRequest
+from router.openai_request import ClientRequest, skips_prefix_cache
 from router.policy import Decision, FullAttentionOnlyPolicy, Policy, RouteInput, session_key
 from router.tokenize.ratelog import RateLimitedLog
 from router.workers import ModelRoute, Worker, WorkerRegistry
@@ -36,7 +36,11 @@ class TokenizedLike(Protocol):
 
 class TokenizerLike(Protocol):
     async def token_ids(
-        self, model: str, endpoint: str, body: dict[str, Any], worker_url_for_render: str | None
+        self,
+        model: str,
+        endpoint: str,
+        body: dict[str, Any],
+        worker_url_for_render: str | Callable[[], str | None] | None,
     ) -> TokenizedLike | None: ...
 
 
@@ -49,6 +53,8 @@ class Prompt:
     n_tokens: int  # exact when token_ids is set, else estimated from the body size
     lora_name: str
     cache_salt: str
+    cacheable: bool = True  # False: vLLM will not read the prefix cache for it
+    keys: Sequence[int] | None = None  # the index's keys for it, computed once (`Routing.keys`)
 
 
 class Routing:
@@ -115,12 +121,15 @@ class Routing:
             if w.takes_requests(now) and w.name not in exclude
         ]
 
+    def any_eligible(self, route: ModelRoute) -> bool:
+        now = self._clock()
+        return any(w.takes_requests(now) for w in self.registry.serving(route.name))
+
     async def prompt(self, req: ClientRequest, route: ModelRoute) -> Prompt:
         """Exact token ids when the model's tokenizer can give them; TokenizeError -> 400."""
-        render_worker = self._render_worker(route)
         try:
             got = await self._tokenizers.token_ids(
-                route.base, req.endpoint, req.body, render_worker
+                route.base, req.endpoint, req.body, lambda: self._render_worker(route)
             )
         except ValueError as exc:  # router.tokenize.TokenizeError subclasses ValueError
             raise RouterError(TOKENIZE, str(exc), param=getattr(exc, "param", None)) from None
@@ -130,7 +139,9 @@ class Routing:
             return Prompt(None, "none", estimate, route.lora_name, req.cache_salt)
         self._metrics.child(self._metrics.token_source, got.source).inc()
         ids = got.token_ids
-        return Prompt(ids, got.source, len(ids), route.lora_name, req.cache_salt)
+        return Prompt(
+            ids, got.source, len(ids), route.lora_name, req.cache_salt, not skips_prefix_cache(req)
+        )
 
     def _render_worker(self, route: ModelRoute) -> str | None:
         workers = self.eligible(route)
@@ -138,19 +149,30 @@ class Routing:
             return None
         return min(workers, key=lambda w: w.load.running).url
 
+    def keys(self, prompt: Prompt) -> Sequence[int] | None:
+        """The prompt's index keys, hashed on first use and kept on the prompt."""
+        if prompt.keys is None and prompt.token_ids is not None:
+            prompt.keys = self.index.prompt_keys(
+                prompt.token_ids, prompt.lora_name, prompt.cache_salt
+            )
+        return prompt.keys
+
     def reuse(self, prompt: Prompt) -> Mapping[str, int | None]:
         """Predicted reuse per worker; streams that are down count as no evidence."""
         if prompt.token_ids is None:
             return _EMPTY
+        if not prompt.cacheable:
+            return dict.fromkeys(self.registry.names(), 0)  # vLLM will reuse nothing
         ids, lora, salt = prompt.token_ids, prompt.lora_name, prompt.cache_salt
         try:
+            keys = self.keys(prompt)
             if self._fa_only:
                 scores: Mapping[str, int | None] = {
                     name: exp.full_attention_only()
-                    for name, exp in self.index.explain(ids, lora, salt).items()
+                    for name, exp in self.index.explain(ids, lora, salt, keys).items()
                 }
             else:
-                scores = self.index.score(ids, lora, salt)
+                scores = self.index.score(ids, lora, salt, keys)
         except Exception as exc:  # an index bug must not fail requests: route without evidence
             self._ratelog.error("score", "index scoring failed, routing without it: %r", exc)
             self._metrics.child(self._metrics.errors, "index").inc()
@@ -173,7 +195,9 @@ class Routing:
         workers = self.eligible(route, exclude)
         key = session_key(req.header_map, req.body, self.cfg)
         decision = self.policy.decide(
-            workers, RouteInput(prompt.n_tokens, reuse, key), self._clock()
+            workers,
+            RouteInput(prompt.n_tokens, reuse, key, self.coverage_lookup(prompt)),
+            self._clock(),
         )
         self._decision_hist.observe(time.perf_counter() - started)
         self._metrics.child(self._decision_count, decision.policy, decision.reason).inc()
@@ -185,9 +209,31 @@ class Routing:
             )
         return decision
 
+    def coverage_lookup(self, prompt: Prompt) -> Callable[[], Mapping[str, int | None]] | None:
+        """A lazy full-attention coverage lookup for the policy (None without ids)."""
+        ids = prompt.token_ids
+        if ids is None or self._fa_only or not prompt.cacheable:
+            return None
+
+        def lookup() -> Mapping[str, int | None]:
+            try:
+                found = self.index.coverage(
+                    ids, prompt.lora_name, prompt.cache_salt, self.keys(prompt)
+                )
+            except Exception as exc:
+                self._ratelog.error("coverage", "index coverage failed: %r", exc)
+                self._metrics.child(self._metrics.errors, "index").inc()
+                return _EMPTY
+            down = self._unusable()
+            if down:
+                return {name: (None if name in down else v) for name, v in found.items()}
+            return found
+
+        return lookup
+
     def expect(self, worker: Worker, prompt: Prompt) -> None:
         """Credit the chosen worker with this prompt until its events arrive (or expiry)."""
-        if prompt.token_ids is not None and self.cfg.expect_seconds > 0:
+        if prompt.token_ids is not None and prompt.cacheable and self.cfg.expect_seconds > 0:
             try:
                 self.index.expect(
                     worker.name,
@@ -195,6 +241,7 @@ class Routing:
                     prompt.lora_name,
                     prompt.cache_salt,
                     self.cfg.expect_seconds,
+                    self.keys(prompt),
                 )
             except Exception as exc:
                 self._ratelog.error("expect", "index expectation failed: %r", exc)

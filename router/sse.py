@@ -48,7 +48,7 @@ def usage_from_json(body: bytes) -> Usage | None:
     """Usage of a whole (non-streamed) JSON response; None if absent or not JSON."""
     try:
         chunk = _chunk_decoder.decode(body)
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError):
         return None
     return _usage_of(chunk)
 
@@ -95,15 +95,22 @@ class SseFilter:
         return rest
 
     def _scan(self, complete: bytes) -> bytes:
+        """Look only at the events that mention usage (a stream read in one piece holds
+        many events, usually one with usage); drop the ones `_take_usage` says to."""
         out: list[bytes] = []
-        start = 0
-        while start < len(complete):
-            end = complete.find(b"\n\n", start)
-            event = complete[start : end + 2]
-            start = end + 2
-            if b'"usage"' in event and self._take_usage(event):
-                continue
-            out.append(event)
+        kept = 0  # complete[kept:at] is passed on unchanged
+        at = complete.find(b'"usage"')
+        while at >= 0:
+            start = complete.rfind(b"\n\n", kept, at)
+            start = kept if start < 0 else start + 2
+            end = complete.find(b"\n\n", at) + 2
+            if self._take_usage(complete[start:end]):
+                out.append(complete[kept:start])
+                kept = end
+            at = complete.find(b'"usage"', end)
+        if not out:
+            return complete
+        out.append(complete[kept:])
         return b"".join(out)
 
     def _take_usage(self, event: bytes) -> bool:
@@ -116,7 +123,7 @@ class SseFilter:
                 continue
             try:
                 chunk = _chunk_decoder.decode(payload)
-            except (msgspec.DecodeError, msgspec.ValidationError):
+            except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError):
                 return False
             usage = _usage_of(chunk)
             if usage is None:

@@ -1,6 +1,9 @@
-"""Pooled, keep-alive HTTP client to the engines (aiohttp; chosen by bench/http_client_bench.py).
+"""The router's HTTP client to the engines.
 
-One `Upstream` per router process. Failures are mapped to two exceptions the proxy
+Proxied requests go through `Http1Pool` (router/http1.py: pooled keep-alive HTTP/1.1 on
+httptools, a fraction of aiohttp's CPU per request; compared side by side by
+bench/http_client_bench.py). Probes, metrics scrapes and render calls, which are few and
+want total timeouts, use an aiohttp session. Failures are mapped to two exceptions the proxy
 understands: `UpstreamConnectError` (nothing was sent or the connection broke before a
 response) and `UpstreamTimeout` (the engine went silent for longer than `read_idle_s`).
 """
@@ -13,54 +16,21 @@ from typing import Any
 import aiohttp
 
 from router.config import LimitsConfig, TimeoutsConfig
+from router.http1 import (
+    Http1Pool,
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamResponse,
+    UpstreamTimeout,
+)
 
-
-class UpstreamError(Exception):
-    pass
-
-
-class UpstreamConnectError(UpstreamError):
-    pass
-
-
-class UpstreamTimeout(UpstreamError):
-    pass
-
-
-class UpstreamResponse:
-    """An open upstream response; the body is read with `read()` or `chunks()`."""
-
-    __slots__ = ("_resp", "headers", "status")
-
-    def __init__(self, resp: aiohttp.ClientResponse) -> None:
-        self._resp = resp
-        self.status = resp.status
-        self.headers = resp.headers
-
-    async def read(self) -> bytes:
-        try:
-            return await self._resp.read()
-        except TimeoutError as exc:
-            raise UpstreamTimeout("upstream went silent") from exc
-        except aiohttp.ClientError as exc:
-            raise UpstreamConnectError(f"upstream read failed: {exc}") from exc
-
-    async def next_chunk(self) -> bytes:
-        """The next piece of body as it arrives; b"" at the end."""
-        try:
-            return await self._resp.content.readany()
-        except TimeoutError as exc:
-            raise UpstreamTimeout("upstream went silent") from exc
-        except aiohttp.ClientError as exc:
-            raise UpstreamConnectError(f"upstream stream broke: {exc}") from exc
-
-    def abort(self) -> None:
-        """Drop the connection (the engine sees a disconnect and cancels the request)."""
-        self._resp.close()
-
-    def release(self) -> None:
-        """Return the connection to the pool (body fully read)."""
-        self._resp.release()
+__all__ = [
+    "Upstream",
+    "UpstreamConnectError",
+    "UpstreamError",
+    "UpstreamResponse",
+    "UpstreamTimeout",
+]
 
 
 class Upstream:
@@ -68,16 +38,24 @@ class Upstream:
         self._timeouts = timeouts
         self._limits = limits
         self._session: aiohttp.ClientSession | None = None
+        self._pool: Http1Pool | None = None
         self._timeout = aiohttp.ClientTimeout(
             total=None, sock_connect=timeouts.connect_s, sock_read=timeouts.read_idle_s
         )
         self._probe_timeout = aiohttp.ClientTimeout(total=timeouts.health_s)
 
     async def start(self) -> None:
+        self._pool = Http1Pool(
+            limit=self._limits.upstream_connections,
+            connect_s=self._timeouts.connect_s,
+            read_idle_s=self._timeouts.read_idle_s,
+        )
         connector = aiohttp.TCPConnector(
             limit=self._limits.upstream_connections,
             limit_per_host=0,
-            keepalive_timeout=60.0,
+            # below the engines' own idle timeout (vLLM's uvicorn: 5 s), so a pooled
+            # connection is never reused just as the engine closes it
+            keepalive_timeout=4.0,
             ttl_dns_cache=300,
         )
         self._session = aiohttp.ClientSession(
@@ -88,6 +66,9 @@ class Upstream:
         )
 
     async def close(self) -> None:
+        if self._pool is not None:
+            await self._pool.close()
+            self._pool = None
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -106,15 +87,9 @@ class Upstream:
         body: bytes | None,
     ) -> UpstreamResponse:
         """Send a request; returns once the response status and headers are in."""
-        try:
-            resp = await self.session.request(
-                method, url, data=body, headers=headers, allow_redirects=False
-            )
-        except TimeoutError as exc:
-            raise UpstreamTimeout(f"no response from {url}") from exc
-        except aiohttp.ClientError as exc:
-            raise UpstreamConnectError(f"{type(exc).__name__}: {exc}") from exc
-        return UpstreamResponse(resp)
+        if self._pool is None:
+            raise RuntimeError("Upstream.start() was not called")
+        return await self._pool.request(method, url, headers, body)
 
     async def probe(self, url: str) -> tuple[int, bytes]:
         """GET with the probe timeout; returns (status, body). Raises UpstreamError."""

@@ -132,38 +132,63 @@ class Lookup:
 
 
 class CacheBackend(Protocol):
-    """What the scheduler needs from a KV cache; see sim-cache-protocol.md."""
+    """What the scheduler needs from a KV cache (contract: /work/notes/sim-cache-protocol.md).
+
+    Each method is named after, and behaves as, the vLLM scheduler step it stands for.
+    """
 
     spec: CacheSpec
 
-    def add_request(self, req: CacheRequest) -> None: ...
+    def add_request(self, req: CacheRequest) -> None:
+        """Create the request (its block hashes); nothing computed yet."""
 
-    def lookup(self, request_id: str) -> Lookup: ...
+    def lookup(self, request_id: str) -> Lookup:
+        """vLLM's get_computed_blocks (and the shared-prefix boundary); takes no references."""
 
     def split_chunk(
         self, request_id: str, num_new_tokens: int, num_new_local_computed_tokens: int
-    ) -> int: ...
+    ) -> int:
+        """The prefill chunk clipped where a Mamba state must be saved (0: not this step)."""
 
-    def allocate(
-        self, request_id: str, num_new_tokens: int, lookup: Lookup | None = None
-    ) -> bool: ...
+    def allocate(self, request_id: str, num_new_tokens: int, lookup: Lookup | None = None) -> bool:
+        """vLLM's allocate_slots; `lookup` only on admission. False: not enough blocks."""
 
-    def advance(self, request_id: str, num_tokens: int) -> None: ...
+    def advance(self, request_id: str, num_tokens: int) -> None:
+        """The scheduled tokens were computed."""
 
-    def preempt(self, request_id: str) -> None: ...
+    def preempt(self, request_id: str) -> None:
+        """Give back the request's blocks; it restarts from scratch (tokens kept)."""
 
-    def begin_step(self) -> None: ...
+    def begin_step(self) -> None:
+        """A scheduling step starts."""
 
-    def end_schedule(self) -> None: ...
+    def end_schedule(self) -> None:
+        """The step's block copies ran: release what they pinned."""
 
-    def append_token(self, request_id: str, token_id: int) -> None: ...
+    def append_token(self, request_id: str, token_id: int) -> None:
+        """A token was sampled (extends the block hashes)."""
 
-    def free(self, request_id: str) -> None: ...
+    def free(self, request_id: str) -> None:
+        """The request finished or was aborted; its blocks stay cached."""
 
-    def end_step(self) -> list[KvEvent]: ...
+    def end_step(self) -> list[KvEvent]:
+        """The step's KV events, in vLLM's order."""
 
-    def reset(self) -> bool: ...
+    def reset(self) -> bool:
+        """vLLM's reset_prefix_cache (False if blocks are in use)."""
 
-    def usage(self) -> float: ...
+    def usage(self) -> float:
+        """Fraction of the block pool in use."""
 
-    def per_group_hits(self, request_id: str) -> list[int]: ...
+    def per_group_hits(self, request_id: str) -> list[int]:
+        """Each group's own longest hit, ignoring the others."""
+
+
+def missing_methods(cls: type) -> list[str]:
+    """The `CacheBackend` methods `cls` lacks (a check for a backend loaded by name)."""
+    wanted = [name for name, value in vars(CacheBackend).items() if callable(value)]
+    return [
+        name
+        for name in wanted
+        if not name.startswith("_") and not callable(getattr(cls, name, None))
+    ]

@@ -17,7 +17,7 @@ import sys
 from collections.abc import Callable
 from typing import Any, cast
 
-from sim.cache_api import CacheBackend, CacheSpec
+from sim.cache_api import CacheBackend, CacheSpec, missing_methods
 from sim.engine.core import EngineConfig
 from sim.profiles import PROFILES
 from sim.publisher import PublisherConfig
@@ -72,17 +72,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="warning")
 
 
-PROTOCOL_METHODS = (
-    "add_request", "lookup", "split_chunk", "allocate", "advance", "append_token", "preempt",
-    "free", "begin_step", "end_schedule", "end_step", "reset", "usage", "per_group_hits",
-)  # fmt: skip
-
-
 def cache_factory(name: str) -> Callable[[CacheSpec], CacheBackend]:
     """The cache backend class for --cache-backend (ImportError if vLLM is missing)."""
     if name == "vllm":
         cls = importlib.import_module("sim.vllm_backend").VllmCacheBackend
-        missing = [m for m in PROTOCOL_METHODS if not callable(getattr(cls, m, None))]
+        missing = missing_methods(cls)
         if missing:
             raise ImportError(
                 f"sim.vllm_backend.VllmCacheBackend lacks {', '.join(missing)} "
@@ -95,6 +89,7 @@ def cache_factory(name: str) -> Callable[[CacheSpec], CacheBackend]:
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine settings the options describe."""
     return EngineConfig(
         model=args.model,
         lora_adapters=tuple(args.lora),
@@ -134,6 +129,7 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The `kvroute sim` options."""
     p = argparse.ArgumentParser(
         prog="kvroute sim",
         description="Run a simulated vLLM engine (OpenAI HTTP API + KV events on ZMQ). "
@@ -188,6 +184,7 @@ async def _serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`kvroute sim [fleet]`: run until SIGINT/SIGTERM; 2 for bad options."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "fleet":
         from sim.fleet import main as fleet_main

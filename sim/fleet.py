@@ -83,6 +83,8 @@ def _drain(stream: IO[str] | None, prefix: str) -> None:
 
 @dataclass
 class Member:
+    """One engine of the fleet, with its bridge."""
+
     name: str
     engine: subprocess.Popen[str]
     url: str
@@ -94,6 +96,7 @@ class Member:
     bridge_http: str | None = None
 
     def info(self) -> dict[str, Any]:
+        """Addresses and process ids, as printed and written to --info-out."""
         return {
             "name": self.name,
             "url": self.url,
@@ -118,6 +121,8 @@ class Fleet:
     members: list[Member] = field(default_factory=list)
 
     def start(self) -> list[Member]:
+        """Start the engines, then their bridges; RuntimeError (after stopping everything)
+        if one does not come up in time."""
         cmd = [sys.executable, "-m", "kvroute", "sim"]
         try:
             procs = [_spawn([*cmd, *self.engine_args]) for _ in range(self.workers)]
@@ -189,6 +194,7 @@ class Fleet:
         self._terminate([m.engine for m in self.members])
 
     def dead(self) -> list[str]:
+        """What has exited, one line per child process."""
         out = []
         for m in self.members:
             for what, p in (("engine", m.engine), ("bridge", m.bridge)):
@@ -220,6 +226,7 @@ def router_config(
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The `kvroute sim fleet` options."""
     p = argparse.ArgumentParser(
         prog="kvroute sim fleet",
         description="Run N simulated vLLM engines, each with a kvroute bridge, on loopback.",
@@ -242,6 +249,7 @@ def _bridge_available() -> bool:
 
 
 def main(argv: list[str]) -> int:
+    """`kvroute sim fleet`: run until a signal or a child's death (then 1)."""
     args = build_parser().parse_args(argv)
     if args.workers < 1:
         print("kvroute sim fleet: --workers must be at least 1", file=sys.stderr)

@@ -35,9 +35,13 @@ from sim.events import KvEvent
 
 log = logging.getLogger(__name__)
 
+MALFORMED_KINDS = ("payload", "frames")  # a payload that is not msgpack; 2 frames, short seq
+
 
 @dataclass(frozen=True, slots=True)
 class PublisherConfig:
+    """vLLM's KVEventsConfig, as far as the simulated publisher uses it."""
+
     endpoint: str = "tcp://127.0.0.1:0"
     replay_endpoint: str | None = "tcp://127.0.0.1:0"
     topic: str = ""
@@ -100,6 +104,7 @@ class EventPublisher:
 
     # ---- control ------------------------------------------------------------------------
     def start(self) -> None:
+        """Start the publisher thread."""
         self._thread = threading.Thread(target=self._run, name="zmq-publisher", daemon=True)
         self._thread.start()
 
@@ -114,6 +119,7 @@ class EventPublisher:
             log.warning("event queue full (%d), batch dropped", self.config.max_queue_size)
 
     def close(self, timeout: float = 2.0) -> None:
+        """Stop the thread (after what is queued) and close the sockets."""
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join(timeout)
@@ -129,11 +135,12 @@ class EventPublisher:
 
     def send_malformed(self, kind: str = "payload") -> None:
         """Send one malformed message next: a bad payload (uses a seq) or bad frames."""
-        if kind not in ("payload", "frames"):
-            raise ValueError(f"malformed kind must be 'payload' or 'frames', not {kind!r}")
+        if kind not in MALFORMED_KINDS:
+            raise ValueError(f"malformed kind must be one of {MALFORMED_KINDS}, not {kind!r}")
         self._queue.put(_Control("malformed", malformed=kind))
 
     def set_replay_enabled(self, enabled: bool) -> None:
+        """Answer (True) or ignore (False) replay requests."""
         with self._lock:
             self._replay_enabled = enabled
 
@@ -146,6 +153,7 @@ class EventPublisher:
         return self._seq
 
     def state(self) -> dict[str, Any]:
+        """Counters and fault settings, for GET /sim/faults."""
         with self._lock:
             replay_enabled = self._replay_enabled
         return {

@@ -53,17 +53,21 @@ class RunningEngine:
 
     @property
     def url(self) -> str:
+        """The HTTP base URL."""
         return f"http://{self.host}:{self.port}"
 
     @property
     def events(self) -> str | None:
+        """The ZMQ PUB endpoint, if events are published."""
         return self.publisher.endpoint if self.publisher else None
 
     @property
     def replay(self) -> str | None:
+        """The ZMQ replay endpoint, if there is one."""
         return self.publisher.replay_endpoint if self.publisher else None
 
     async def aclose(self) -> None:
+        """Stop the HTTP server (and with it the engine) and close the publisher."""
         self.server.should_exit = True
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.wait_for(self.task, 10)
@@ -123,6 +127,7 @@ class SimEngineThread:
         self.running: RunningEngine | None = None
 
     def start(self) -> SimEngineThread:
+        """Start the engine on its own thread; returns once it serves (or raises)."""
         ready = threading.Event()
         error: list[BaseException] = []
 
@@ -153,6 +158,7 @@ class SimEngineThread:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
     def stop(self) -> None:
+        """Stop the engine and its thread (no-op if not running)."""
         if self.running is not None and self._thread is not None:
             with contextlib.suppress(Exception):
                 self.call(self.running.aclose())
@@ -168,26 +174,32 @@ class SimEngineThread:
         self.stop()
 
     @property
+    def _started(self) -> RunningEngine:
+        if self.running is None:
+            raise RuntimeError("the simulated engine is not running (start() it first)")
+        return self.running
+
+    @property
     def engine(self) -> Engine:
-        assert self.running is not None
-        return self.running.engine
+        """The engine (for white-box checks)."""
+        return self._started.engine
 
     @property
     def publisher(self) -> EventPublisher | None:
-        assert self.running is not None
-        return self.running.publisher
+        """The engine's event publisher, if it publishes events."""
+        return self._started.publisher
 
     @property
     def url(self) -> str:
-        assert self.running is not None
-        return self.running.url
+        """The engine's HTTP base URL."""
+        return self._started.url
 
     @property
     def events(self) -> str | None:
-        assert self.running is not None
-        return self.running.events
+        """The engine's ZMQ PUB endpoint, if it publishes events."""
+        return self._started.events
 
     @property
     def replay(self) -> str | None:
-        assert self.running is not None
-        return self.running.replay
+        """The engine's ZMQ replay endpoint, if it has one."""
+        return self._started.replay

@@ -1,5 +1,9 @@
 """vLLM's real KV cache manager as a simulated engine's cache, driven like vLLM's scheduler.
 
+The one place in kvroute that drives vLLM's `KVCacheManager`: the simulated engine
+(`kvroute sim --cache-backend vllm`), the sim's differential test against SimCache
+(tests/sim/vllm_agreement_runner.py) and the conformance driver (tests/conformance) all use it.
+
 - `VllmCacheBackend` wraps a real `vllm.v1.core.kv_cache_manager.KVCacheManager` (no model, no
   GPU) behind the simulated engine's cache protocol (/work/notes/sim-cache-protocol.md): add a
   request, look up its prefix hit, clip a chunk with the scheduler's own Mamba block-aligned
@@ -9,9 +13,8 @@
   first, preemption from the back when the pool is full, admission of waiting requests, decode)
   and hands each step's events out as vLLM's own `KVEventBatch`.
 
-Importable only inside the vLLM environment (.venv-vllm). The conformance driver
-(tests/conformance/vllm_driver.py) and the simulated engine's vLLM backend use it. The recipe
-is reference/vllm-kv-events.md §9.
+Importable only inside the vLLM environment (.venv-vllm). The recipe is
+reference/vllm-kv-events.md §9.
 """
 
 from __future__ import annotations
@@ -45,6 +48,9 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 from vllm.v1.request import Request, RequestStatus
+
+from sim import events as sim_events
+from sim.cache_api import CacheRequest, Lookup
 
 GROUP_KINDS = ("full_attention", "sliding_window", "mamba", "circular_buffer")
 
@@ -146,29 +152,13 @@ class Namespace:
     lora_path: str = ""
 
 
-@dataclass(frozen=True)
-class CacheRequest:
-    """A request as the cache sees it (field names as in sim.cache_api.CacheRequest)."""
+@dataclass(frozen=True, slots=True)
+class VllmRequest(CacheRequest):
+    """A `sim.cache_api.CacheRequest` with per-request settings only vLLM honours (the
+    conformance driver's limit scenarios): the KV report mode and prompt logprobs."""
 
-    request_id: str
-    prompt_token_ids: tuple[int, ...]
-    lora_name: str | None = None
-    lora_id: int | None = None
-    lora_path: str | None = None
-    cache_salt: str | None = None
-    max_tokens: int = 16
-    # Extras the conformance driver uses: vLLM's per-request KV report mode and prompt logprobs.
     kv_cache_report_mode: str | None = None
     prompt_logprobs: int | None = None
-
-
-@dataclass(frozen=True)
-class Lookup:
-    """`get_computed_blocks` for an added request; `handle` is vLLM's KVCacheBlocks."""
-
-    hit_tokens: int
-    shared_prefix_boundary: int
-    handle: object = None
 
 
 @dataclass(frozen=True)
@@ -178,6 +168,37 @@ class NativeHit:
     hit: int
     per_group: tuple[int, ...]
     shared_prefix_boundary: int
+
+
+# ---- events ---------------------------------------------------------------------------------
+
+
+def to_sim_event(event: KVCacheEvent) -> sim_events.KvEvent:
+    """vLLM's event object as the `sim.events` record of the same name, field by field.
+
+    Raises TypeError for an event type or a set field that the records do not know, so a vLLM
+    upgrade that adds one fails loudly here instead of publishing less than vLLM would.
+    """
+    cls = getattr(sim_events, type(event).__name__, None)
+    if cls not in (sim_events.BlockStored, sim_events.BlockRemoved, sim_events.AllBlocksCleared):
+        raise TypeError(f"no sim.events record for vLLM event {type(event).__name__}")
+    known = {f.name for f in msgspec.structs.fields(cls)}
+    values: dict[str, Any] = {}
+    for f in msgspec.structs.fields(type(event)):
+        value = getattr(event, f.name)
+        if f.name not in known:
+            if value is None or value == f.default:
+                continue
+            raise TypeError(f"vLLM's {type(event).__name__}.{f.name} has no sim.events field")
+        if f.name in ("block_hashes", "token_ids"):
+            value = list(value)
+        elif f.name == "extra_keys" and value is not None:
+            value = [None if key is None else tuple(key) for key in value]
+        elif f.name == "lookahead_token_ids" and value is not None:
+            value = [list(tokens) for tokens in value]
+        values[f.name] = value
+    record: sim_events.KvEvent = cls(**values)
+    return record
 
 
 # ---- the backend ----------------------------------------------------------------------------
@@ -324,16 +345,10 @@ class VllmCacheBackend:
         if retained:
             manager.block_pool.free_blocks(retained)
 
-    def end_step(self) -> list[Any]:
-        """The step's events as `sim.events` records (vLLM's field names and order)."""
-        from sim import events as sim_events  # the simulated engine's records
-
-        def convert(event: KVCacheEvent) -> Any:
-            cls = getattr(sim_events, type(event).__name__)
-            names = msgspec.structs.fields(cls)
-            return cls(**{f.name: getattr(event, f.name) for f in names if hasattr(event, f.name)})
-
-        return [convert(e) for e in self.end_step_vllm()]
+    def end_step(self) -> list[sim_events.KvEvent]:
+        """The step's events as `sim.events` records (the bridge's msgspec records, vLLM's
+        field names), ready for the simulated engine's publisher."""
+        return [to_sim_event(e) for e in self.end_step_vllm()]
 
     def end_step_vllm(self) -> list[KVCacheEvent]:
         """The step's events as vLLM's own objects, in the block pool's order."""
@@ -369,7 +384,7 @@ class VllmCacheBackend:
     ) -> NativeHit:
         """vLLM's own hit for a prompt, without allocating or adding anything (§9.3)."""
         ns = namespace or Namespace()
-        probe = CacheRequest(
+        probe = VllmRequest(
             request_id=f"probe-{next(self._probe_ids)}",
             prompt_token_ids=tuple(tokens),
             lora_name=ns.lora_name or None,
@@ -480,7 +495,7 @@ class SchedulerLoop:
         ns = namespace or Namespace()
         request_id = f"req-{next(self._ids)}"
         self.backend.add_request(
-            CacheRequest(
+            VllmRequest(
                 request_id=request_id,
                 prompt_token_ids=tuple(tokens),
                 lora_name=ns.lora_name or None,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -13,6 +14,7 @@ class TokenizeMetrics:
     """All series of one `Tokenizers`; `model` labels are configured names or "_default"."""
 
     def __init__(self, registry: CollectorRegistry | None) -> None:
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         # registry=None: the series exist but are registered nowhere (tests, benchmarks).
         self.results = Counter(
             "kvroute_tokenize_requests",
@@ -74,6 +76,15 @@ class TokenizeMetrics:
             "Entries evicted from the prefix cache since start",
             registry=registry,
         )
+
+    def child(self, metric: Any, *values: str) -> Any:
+        """`metric.labels(*values)`, cached (prometheus-client's lookup costs microseconds
+        per request)."""
+        key = (id(metric), values)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*values)
+        return found
 
     def watch_cache(self, stats: Callable[[], CacheStats]) -> None:
         self.cache_entries.set_function(lambda: float(stats().entries))

@@ -120,7 +120,7 @@ class RenderClient:
             return RenderResult(None, f"http_{status // 100}xx")
         try:
             ids = _tokens.decode(raw).tokens
-        except (msgspec.DecodeError, msgspec.ValidationError):
+        except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError):
             return RenderResult(None, "bad_response")
         return RenderResult(ids, "ok")
 
@@ -142,7 +142,7 @@ class RenderClient:
                 ids = items[0].token_ids
             else:
                 ids = _one.decode(raw).token_ids
-        except (msgspec.DecodeError, msgspec.ValidationError):
+        except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError):
             return RenderResult(None, "bad_response")
         if not ids:
             return RenderResult(None, "bad_response")

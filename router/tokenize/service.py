@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -28,6 +28,8 @@ log = logging.getLogger("kvroute.tokenize")
 _DEFAULT_KEY = "_default"
 _RELOAD_AFTER_S = 60.0
 T = TypeVar("T")
+# the worker whose render endpoint to ask: a URL, or a function giving it on demand
+RenderUrl = str | Callable[[], str | None] | None
 
 
 @dataclass(slots=True)
@@ -101,7 +103,11 @@ class Tokenizers:
     # ---- the call -------------------------------------------------------------------------
 
     async def token_ids(
-        self, model: str, endpoint: str, body: dict[str, Any], worker_url_for_render: str | None
+        self,
+        model: str,
+        endpoint: str,
+        body: dict[str, Any],
+        worker_url_for_render: RenderUrl,
     ) -> TokenizedPrompt | None:
         """The ids the engine will prefill for this request, or None when they cannot be known
         (the router then routes without cache evidence). Raises TokenizeError when the request
@@ -127,8 +133,9 @@ class Tokenizers:
         except NotExact as exc:
             self._unavailable(key, exc.reason)
             return None
-        self._metrics.seconds.labels(spec.mode).observe(time.perf_counter() - started)
-        self._metrics.results.labels(key, result.source).inc()
+        m = self._metrics
+        m.child(m.seconds, spec.mode).observe(time.perf_counter() - started)
+        m.child(m.results, key, result.source).inc()
         return result
 
     def _unavailable(self, key: str, reason: str) -> None:
@@ -141,7 +148,7 @@ class Tokenizers:
         spec: TokenizerSpec,
         endpoint: str,
         body: Mapping[str, Any],
-        worker_url: str | None,
+        worker_url: RenderUrl,
     ) -> TokenizedPrompt:
         local = await self._local_for(key, spec) if spec.mode == "local" else None
         vocab = local.vocab_size if local is not None else spec.vocab_size
@@ -156,6 +163,8 @@ class Tokenizers:
         if spec.mode == "request":
             raise NotExact("no_ids_in_request")
         if spec.mode == "render":
+            if callable(worker_url):  # chosen only when needed: it costs a fleet scan
+                worker_url = worker_url()
             if worker_url is None:
                 raise NotExact("no_worker")
             res = await self._render.ids(endpoint, body, worker_url)

@@ -26,7 +26,7 @@ from sim.api.requests import (
     render_chat,
     resolve_model,
 )
-from sim.engine.core import Engine
+from sim.engine.core import Engine, EngineConfig
 from sim.publisher import EventPublisher
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -40,6 +40,18 @@ async def _json(request: Request) -> Any:
         return json.loads(raw or b"null")
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise bad_request(f"invalid JSON body: {exc}") from exc
+
+
+def _answered(handler: Handler) -> Handler:
+    """A route whose `ApiError`s are answered in vLLM's error shape."""
+
+    async def wrapped(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except ApiError as err:
+            return err.response()
+
+    return wrapped
 
 
 def build_app(
@@ -56,60 +68,17 @@ def build_app(
     created = int(time.time())
 
     def gated(handler: Handler) -> Handler:
-        """vLLM-facing routes: answered in vLLM's error shape, frozen while hung."""
+        """vLLM-facing routes: frozen while the engine hangs."""
+        answer = _answered(handler)
 
         async def wrapped(request: Request) -> Response:
             await engine.wait_unhung()
-            try:
-                return await handler(request)
-            except ApiError as err:
-                return err.response()
+            return await answer(request)
 
         return wrapped
 
     async def models(_: Request) -> Response:
-        def perm() -> dict[str, Any]:
-            return {
-                "id": f"modelperm-{cfg.model}",
-                "object": "model_permission",
-                "created": created,
-                "allow_create_engine": False,
-                "allow_sampling": True,
-                "allow_logprobs": True,
-                "allow_search_indices": False,
-                "allow_view": True,
-                "allow_fine_tuning": False,
-                "organization": "*",
-                "group": None,
-                "is_blocking": False,
-            }
-
-        cards = [
-            {
-                "id": cfg.model,
-                "object": "model",
-                "created": created,
-                "owned_by": "vllm",
-                "root": served_root or cfg.model_dir,
-                "parent": None,
-                "max_model_len": cfg.max_model_len,
-                "permission": [perm()],
-            }
-        ]
-        for name in cfg.lora_adapters:
-            cards.append(
-                {
-                    "id": name,
-                    "object": "model",
-                    "created": created,
-                    "owned_by": "vllm",
-                    "root": f"/adapters/{name}",
-                    "parent": cfg.model,
-                    "max_model_len": None,
-                    "permission": [perm()],
-                }
-            )
-        return JSONResponse({"object": "list", "data": cards})
+        return JSONResponse({"object": "list", "data": _model_cards(cfg, created, served_root)})
 
     async def completions(request: Request) -> Response:
         return await gen.completion(parse_completion(await _json(request), cfg, engine.tokenizer))
@@ -192,93 +161,37 @@ def build_app(
         return Response(status_code=200 if ok else 400)
 
     # ---- /sim admin: never gated, so a hung engine can be released -----------------------
-    def sim_state() -> dict[str, Any]:
-        s = engine.scheduler
-        state: dict[str, Any] = {
-            "model": cfg.model,
-            "profile": cfg.profile,
-            "groups": [
-                {"kind": g.kind, "block_size": g.block_size, "sliding_window": g.sliding_window}
-                for g in engine.cache.spec.groups
-            ],
-            "hash_block_size": engine.cache.spec.hash_block_size,
-            "alignment": engine.cache.spec.alignment,
-            "num_blocks": cfg.num_blocks,
-            "running": s.num_running,
-            "waiting": s.num_waiting,
-            "kv_cache_usage": engine.cache.usage(),
-            "prefix_cache_queries": s.prefix_queries,
-            "prefix_cache_hits": s.prefix_hits,
-            "preemptions": s.num_preemptions,
-            "steps": engine.steps,
-            "busy_seconds": engine.busy_seconds,
-            "speed": cfg.speed,
-            "faults": {
-                **failures.state(),
-                "slowdown": engine.slowdown,
-                "hang": engine.hung,
-            },
-        }
-        if publisher is not None:
-            state["events"] = publisher.state()
-        return state
-
     async def probe(request: Request) -> Response:
         """Oracle for benchmarks: the hit this request would get now (no side effects)."""
-        try:
-            body = await _json(request)
-            if not isinstance(body, dict):
-                raise bad_request("request body must be a JSON object")
-            _, lora = resolve_model(cfg, body.get("model"))
-            ids_field = body.get("prompt_token_ids")
-            if ids_field is not None:
-                ids = int_list(ids_field, "prompt_token_ids")
-                salt = body.get("cache_salt")
-            elif "messages" in body:
-                parsed = parse_chat(body, cfg, engine.tokenizer)
-                ids, salt = parsed.prompts[0], parsed.cache_salt
-            else:
-                parsed = parse_completion(body, cfg, engine.tokenizer)
-                ids, salt = parsed.prompts[0], parsed.cache_salt
-        except ApiError as err:
-            return err.response()
+        body = await _json(request)
+        if not isinstance(body, dict):
+            raise bad_request("request body must be a JSON object")
+        _, lora = resolve_model(cfg, body.get("model"))
+        ids_field = body.get("prompt_token_ids")
+        if ids_field is not None:
+            ids = int_list(ids_field, "prompt_token_ids")
+            salt = body.get("cache_salt")
+        elif "messages" in body:
+            parsed = parse_chat(body, cfg, engine.tokenizer)
+            ids, salt = parsed.prompts[0], parsed.cache_salt
+        else:
+            parsed = parse_completion(body, cfg, engine.tokenizer)
+            ids, salt = parsed.prompts[0], parsed.cache_salt
         hit, per_group = engine.probe(ids, lora, salt if isinstance(salt, str) else None)
         return JSONResponse(
             {"prompt_tokens": len(ids), "cached_tokens": hit, "per_group": per_group}
         )
 
     async def get_faults(_: Request) -> Response:
-        return JSONResponse(sim_state())
+        return JSONResponse(_sim_state(engine, failures, publisher))
 
     async def post_faults(request: Request) -> Response:
-        try:
-            settings = fault_rules.validate(await _json(request))
-        except ApiError as err:
-            return err.response()
-        for key in ("fail_next", "fail_rate", "fail_mode"):
-            if key in settings:
-                setattr(failures, key, settings[key])
-        if "slowdown" in settings:
-            engine.slowdown = settings["slowdown"]
-        if "hang" in settings:
-            engine.set_hang(settings["hang"])
-        if publisher is not None:
-            if settings.get("drop_batches"):
-                publisher.drop_next(
-                    settings["drop_batches"], settings.get("drop_from_replay", False)
-                )
-            if "malformed" in settings:
-                publisher.send_malformed(settings["malformed"])
-            if "replay" in settings:
-                publisher.set_replay_enabled(settings["replay"])
-        elif {"drop_batches", "malformed", "replay"} & set(settings):
-            return bad_request("this engine has no event publisher").response()
-        if settings.get("restart"):
-            engine.restart()
+        settings = fault_rules.validate(await _json(request))
+        _apply_faults(settings, engine, failures, publisher)
         result: dict[str, Any] = {}
         if settings.get("reset_prefix_cache"):
             result["reset_prefix_cache"] = await engine.reset_prefix_cache()
-        return JSONResponse({**sim_state(), **result})
+        return JSONResponse({**_sim_state(engine, failures, publisher), **result})
 
     @asynccontextmanager
     async def lifespan(_: Starlette) -> Any:
@@ -302,9 +215,9 @@ def build_app(
         Route("/kv_event_sources", gated(kv_event_sources), methods=["GET"]),
         Route("/reset_prefix_cache", gated(reset_prefix_cache), methods=["POST"]),
         Route("/sim/faults", get_faults, methods=["GET"]),
-        Route("/sim/faults", post_faults, methods=["POST"]),
+        Route("/sim/faults", _answered(post_faults), methods=["POST"]),
         Route("/sim/state", get_faults, methods=["GET"]),
-        Route("/sim/probe", probe, methods=["POST"]),
+        Route("/sim/probe", _answered(probe), methods=["POST"]),
     ]
     return Starlette(routes=routes, lifespan=lifespan)
 
@@ -346,3 +259,95 @@ def _generate_request(
         "kv_transfer_params": None,
         "ec_transfer_params": None,
     }
+
+
+def _model_cards(cfg: EngineConfig, created: int, served_root: str | None) -> list[dict[str, Any]]:
+    """GET /v1/models: the base model and one card per LoRA adapter, in vLLM's shape."""
+
+    def card(name: str, root: str, parent: str | None, max_model_len: int | None) -> dict[str, Any]:
+        permission = {
+            "id": f"modelperm-{cfg.model}",
+            "object": "model_permission",
+            "created": created,
+            "allow_create_engine": False,
+            "allow_sampling": True,
+            "allow_logprobs": True,
+            "allow_search_indices": False,
+            "allow_view": True,
+            "allow_fine_tuning": False,
+            "organization": "*",
+            "group": None,
+            "is_blocking": False,
+        }
+        return {
+            "id": name,
+            "object": "model",
+            "created": created,
+            "owned_by": "vllm",
+            "root": root,
+            "parent": parent,
+            "max_model_len": max_model_len,
+            "permission": [permission],
+        }
+
+    base = card(cfg.model, served_root or cfg.model_dir, None, cfg.max_model_len)
+    return [base, *(card(n, cfg.lora_path(n), cfg.model, None) for n in cfg.lora_adapters)]
+
+
+def _sim_state(
+    engine: Engine, failures: FailurePlan, publisher: EventPublisher | None
+) -> dict[str, Any]:
+    """GET /sim/state: layout, load, counters and fault settings of the engine."""
+    cfg, s, spec = engine.config, engine.scheduler, engine.cache.spec
+    state: dict[str, Any] = {
+        "model": cfg.model,
+        "profile": cfg.profile,
+        "groups": [
+            {"kind": g.kind, "block_size": g.block_size, "sliding_window": g.sliding_window}
+            for g in spec.groups
+        ],
+        "hash_block_size": spec.hash_block_size,
+        "alignment": spec.alignment,
+        "num_blocks": cfg.num_blocks,
+        "running": s.num_running,
+        "waiting": s.num_waiting,
+        "kv_cache_usage": engine.cache.usage(),
+        "prefix_cache_queries": s.prefix_queries,
+        "prefix_cache_hits": s.prefix_hits,
+        "preemptions": s.num_preemptions,
+        "steps": engine.steps,
+        "busy_seconds": engine.busy_seconds,
+        "speed": cfg.speed,
+        "faults": {**failures.state(), "slowdown": engine.slowdown, "hang": engine.hung},
+    }
+    if publisher is not None:
+        state["events"] = publisher.state()
+    return state
+
+
+def _apply_faults(
+    settings: dict[str, Any],
+    engine: Engine,
+    failures: FailurePlan,
+    publisher: EventPublisher | None,
+) -> None:
+    """Apply validated fault settings (all but reset_prefix_cache, which is awaited);
+    ApiError for event faults on an engine without a publisher."""
+    for key in ("fail_next", "fail_rate", "fail_mode"):
+        if key in settings:
+            setattr(failures, key, settings[key])
+    if "slowdown" in settings:
+        engine.slowdown = settings["slowdown"]
+    if "hang" in settings:
+        engine.set_hang(settings["hang"])
+    if publisher is not None:
+        if settings.get("drop_batches"):
+            publisher.drop_next(settings["drop_batches"], settings.get("drop_from_replay", False))
+        if "malformed" in settings:
+            publisher.send_malformed(settings["malformed"])
+        if "replay" in settings:
+            publisher.set_replay_enabled(settings["replay"])
+    elif {"drop_batches", "malformed", "replay"} & set(settings):
+        raise bad_request("this engine has no event publisher")
+    if settings.get("restart"):
+        engine.restart()

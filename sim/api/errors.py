@@ -25,6 +25,7 @@ class ApiError(Exception):
         self.param = param
 
     def body(self) -> dict[str, Any]:
+        """The error as vLLM's JSON body."""
         return {
             "error": {
                 "message": self.message,
@@ -35,16 +36,20 @@ class ApiError(Exception):
         }
 
     def response(self) -> JSONResponse:
+        """The error as an HTTP response."""
         return JSONResponse(self.body(), status_code=self.status)
 
 
 def bad_request(message: str, param: str | None = None) -> ApiError:
+    """400, vLLM's BadRequestError."""
     return ApiError(message, HTTPStatus.BAD_REQUEST, "BadRequestError", param)
 
 
 def not_found(message: str, param: str | None = None) -> ApiError:
+    """404, vLLM's NotFoundError."""
     return ApiError(message, HTTPStatus.NOT_FOUND, "NotFoundError", param)
 
 
 def server_error(message: str) -> ApiError:
+    """500, vLLM's InternalServerError."""
     return ApiError(message, HTTPStatus.INTERNAL_SERVER_ERROR, "InternalServerError")

@@ -19,16 +19,18 @@ from __future__ import annotations
 
 import random
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Final
 
 from sim.api.errors import bad_request
+from sim.publisher import MALFORMED_KINDS
 
 FAIL_MODES = ("http", "stream")
-MALFORMED_KINDS = ("payload", "frames")
 
 
 @dataclass
 class FailurePlan:
+    """Which generation requests fail, and how (the fail_* settings and their count)."""
+
     fail_next: int = 0
     fail_rate: float = 0.0
     fail_mode: str = "http"
@@ -52,51 +54,51 @@ class FailurePlan:
         return None
 
     def state(self) -> dict[str, Any]:
+        """The settings and the failure count, as GET /sim/faults reports them."""
         d = asdict(self)
         d.pop("seed")
         return d
 
 
-def _num(body: dict[str, Any], key: str, kind: type, lo: float, hi: float | None) -> Any:
-    value = body[key]
+# (setting, type, lowest, highest or None) of the numeric settings.
+_NUMBERS: Final = (
+    ("fail_next", int, 0, None),
+    ("fail_rate", float, 0.0, 1.0),
+    ("slowdown", float, 0.001, None),
+    ("drop_batches", int, 0, None),
+)
+_CHOICES: Final = {"fail_mode": FAIL_MODES, "malformed": MALFORMED_KINDS}
+_FLAGS: Final = ("hang", "drop_from_replay", "replay", "restart", "reset_prefix_cache")
+_KNOWN: Final = {name for name, *_ in _NUMBERS} | set(_CHOICES) | set(_FLAGS)
+
+
+def _number(key: str, value: Any, kind: type, lo: float, hi: float | None) -> int | float:
     ok = isinstance(value, (int, float)) and not isinstance(value, bool)
     if kind is int:
         ok = ok and isinstance(value, int)
     if not ok or value < lo or (hi is not None and value > hi):
         bound = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
         raise bad_request(f"{key} must be a {kind.__name__} {bound}", key)
-    return kind(value)
+    return int(value) if kind is int else float(value)
 
 
 def validate(body: Any) -> dict[str, Any]:
     """Check a POST /sim/faults body; returns the normalised settings to apply."""
     if not isinstance(body, dict):
         raise bad_request("faults body must be a JSON object")
-    known = {
-        "fail_next", "fail_rate", "fail_mode", "slowdown", "hang", "drop_batches",
-        "drop_from_replay", "malformed", "replay", "restart", "reset_prefix_cache",
-    }  # fmt: skip
-    unknown = sorted(set(body) - known)
+    unknown = sorted(set(body) - _KNOWN)
     if unknown:
         raise bad_request(f"unknown fault settings: {', '.join(unknown)}", unknown[0])
     out: dict[str, Any] = {}
-    if "fail_next" in body:
-        out["fail_next"] = _num(body, "fail_next", int, 0, None)
-    if "fail_rate" in body:
-        out["fail_rate"] = _num(body, "fail_rate", float, 0.0, 1.0)
-    if "slowdown" in body:
-        out["slowdown"] = _num(body, "slowdown", float, 0.001, None)
-    if "drop_batches" in body:
-        out["drop_batches"] = _num(body, "drop_batches", int, 0, None)
-    if "fail_mode" in body:
-        if body["fail_mode"] not in FAIL_MODES:
-            raise bad_request(f"fail_mode must be one of {FAIL_MODES}", "fail_mode")
-        out["fail_mode"] = body["fail_mode"]
-    if "malformed" in body:
-        if body["malformed"] not in MALFORMED_KINDS:
-            raise bad_request(f"malformed must be one of {MALFORMED_KINDS}", "malformed")
-        out["malformed"] = body["malformed"]
-    for key in ("hang", "drop_from_replay", "replay", "restart", "reset_prefix_cache"):
+    for key, kind, lo, hi in _NUMBERS:
+        if key in body:
+            out[key] = _number(key, body[key], kind, lo, hi)
+    for key, choices in _CHOICES.items():
+        if key in body:
+            if body[key] not in choices:
+                raise bad_request(f"{key} must be one of {choices}", key)
+            out[key] = body[key]
+    for key in _FLAGS:
         if key in body:
             if not isinstance(body[key], bool):
                 raise bad_request(f"{key} must be a boolean", key)

@@ -26,6 +26,8 @@ from sim.engine.core import (
 
 @dataclass(slots=True)
 class ChoiceResult:
+    """One finished choice of a non-streaming answer."""
+
     text: str
     token_ids: list[int]
     finish_reason: str | None
@@ -69,33 +71,26 @@ class Generation:
         self.failures = failures
 
     def _submit(self, req: ParsedRequest, index: int, rid: str) -> RequestHandle:
+        """Submit prompt `index` of a request; 400 if it does not fit, 503 if the engine's
+        queue is full."""
         prompt = req.prompts[index]
-        max_tokens = check_length(
-            len(prompt), req.sampling.max_tokens, self.engine.config.max_model_len
+        s = req.sampling
+        generate = GenerateRequest(
+            request_id=rid,
+            prompt_ids=prompt,
+            max_tokens=check_length(len(prompt), s.max_tokens, self.engine.config.max_model_len),
+            stop=s.stop,
+            stop_token_ids=s.stop_token_ids,
+            include_stop_str_in_output=s.include_stop_str_in_output,
+            ignore_eos=s.ignore_eos,
+            seed=s.seed,
+            lora_name=req.lora_name,
+            cache_salt=req.cache_salt,
         )
         try:
-            return self._submit_to_engine(req, prompt, max_tokens, rid)
+            return self.engine.submit(generate)
         except EngineOverloaded as exc:
             raise ApiError(str(exc), 503, "ServiceUnavailableError") from exc
-
-    def _submit_to_engine(
-        self, req: ParsedRequest, prompt: list[int], max_tokens: int, rid: str
-    ) -> RequestHandle:
-        s = req.sampling
-        return self.engine.submit(
-            GenerateRequest(
-                request_id=rid,
-                prompt_ids=prompt,
-                max_tokens=max_tokens,
-                stop=s.stop,
-                stop_token_ids=s.stop_token_ids,
-                include_stop_str_in_output=s.include_stop_str_in_output,
-                ignore_eos=s.ignore_eos,
-                seed=s.seed,
-                lora_name=req.lora_name,
-                cache_salt=req.cache_salt,
-            )
-        )
 
     async def _collect(self, handle: RequestHandle, fail_mode: str | None) -> ChoiceResult:
         ids: list[int] = []
@@ -140,6 +135,7 @@ class Generation:
 
     # ---- completions ------------------------------------------------------------------
     async def completion(self, req: ParsedRequest) -> Response:
+        """Answer /v1/completions (one choice per prompt), streaming or not."""
         rid, handles, fail_mode = self._start(req, "cmpl")
         created = int(time.time())
         if req.stream:
@@ -185,6 +181,7 @@ class Generation:
 
     # ---- chat ---------------------------------------------------------------------------
     async def chat(self, req: ParsedRequest) -> Response:
+        """Answer /v1/chat/completions, streaming or not."""
         rid, handles, fail_mode = self._start(req, "chatcmpl")
         created = int(time.time())
         if req.stream:

@@ -13,6 +13,8 @@ from sim.tokenizer import ChatTemplateError, SimTokenizer
 
 @dataclass(slots=True)
 class Sampling:
+    """The sampling parameters the simulated engine honours."""
+
     max_tokens: int | None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -23,6 +25,8 @@ class Sampling:
 
 @dataclass(slots=True)
 class ParsedRequest:
+    """A checked completions or chat request, prompts tokenized."""
+
     model: str
     lora_name: str | None
     prompts: list[list[int]]  # one per choice (completions may batch prompts)
@@ -72,6 +76,7 @@ def _str_list(body: Mapping[str, Any], key: str) -> list[str]:
 
 
 def int_list(value: Any, key: str) -> list[int]:
+    """`value` as a list of token ids; 400 naming `key` otherwise."""
     if not isinstance(value, list) or not all(
         isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value
     ):
@@ -136,6 +141,7 @@ def _salt(body: Mapping[str, Any]) -> str | None:
 
 
 def parse_completion(body: Any, config: EngineConfig, tok: SimTokenizer) -> ParsedRequest:
+    """A /v1/completions body, checked and tokenized; ApiError (400, 404) otherwise."""
     b = _obj(body)
     model, lora = resolve_model(config, b.get("model"))
     prompt = b.get("prompt")
@@ -162,6 +168,7 @@ def parse_completion(body: Any, config: EngineConfig, tok: SimTokenizer) -> Pars
 
 
 def render_chat(body: Mapping[str, Any], tok: SimTokenizer) -> tuple[str, list[int]]:
+    """(prompt text, token ids) of a chat body's messages, rendered with the chat template."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages must be a non-empty list", "messages")
@@ -185,6 +192,7 @@ def render_chat(body: Mapping[str, Any], tok: SimTokenizer) -> tuple[str, list[i
 
 
 def parse_chat(body: Any, config: EngineConfig, tok: SimTokenizer) -> ParsedRequest:
+    """A /v1/chat/completions body, checked and rendered; ApiError (400, 404) otherwise."""
     b = _obj(body)
     model, lora = resolve_model(config, b.get("model"))
     text, ids = render_chat(b, tok)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from sim.cache.coordinator import Coordinator
-from sim.cache.groups import cdiv, mamba_checkpoint_position
+from sim.cache.groups import mamba_checkpoint_position
 from sim.cache.pool import Block
 from sim.cache.request import CacheSeq
 from sim.cache_api import CacheRequest, CacheSpec, Lookup
@@ -159,7 +159,3 @@ class SimCache:
 
     def usage(self) -> float:
         return self.coord.pool.usage()
-
-    def blocks_for(self, num_tokens: int) -> int:
-        """Blocks a fresh request of num_tokens would need (rough, for admission checks)."""
-        return sum(cdiv(num_tokens, g.block_size) for g in self.spec.groups)

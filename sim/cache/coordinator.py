@@ -22,6 +22,7 @@ class LookupUnit:
 
     @property
     def is_full(self) -> bool:
+        """Full attention (or MLA): looked up first, once."""
         return self.spec.kind in FULL_KINDS
 
 
@@ -127,6 +128,7 @@ class Coordinator:
         num_tokens_main: int,
         apply_cap: bool = False,
     ) -> int:
+        """Blocks this allocation would take from the pool, over all groups."""
         return sum(
             mgr.blocks_to_allocate(
                 rid,
@@ -143,21 +145,26 @@ class Coordinator:
     def add_hit_blocks(
         self, rid: str, new_computed: Sequence[Sequence[Block]], num_local: int
     ) -> None:
+        """Every group adopts a waiting request's hit blocks."""
         if any(rid in mgr.num_cached for mgr in self.managers):
             return  # a running request gets no new hits
         for i, mgr in enumerate(self.managers):
             mgr.add_hit_blocks(rid, new_computed[i], num_local)
 
     def allocate_new_blocks(self, rid: str, num_tokens: int, num_tokens_main: int) -> None:
+        """Every group grows the request's table to num_tokens."""
         for mgr in self.managers:
             mgr.allocate_new_blocks(rid, num_tokens, num_tokens_main)
 
     def cacheable_tokens(self, num_computed: int) -> int:
+        """How much of the computed prefix may be cached (hybrid models without partial hits
+        cache whole scheduler blocks only)."""
         if self.hybrid and not self.spec.partial_hits:
             return num_computed // self.spec.scheduler_block_size * self.spec.scheduler_block_size
         return num_computed
 
     def cache_blocks(self, seq: CacheSeq, num_computed: int) -> None:
+        """Every group registers the request's newly full blocks."""
         if not self.spec.enable_caching:
             return
         replay = (seq.num_prompt_tokens - 1,)
@@ -166,19 +173,23 @@ class Coordinator:
             mgr.cache_blocks(seq, tokens, self.spec.retention_interval, replay)
 
     def remove_skipped_blocks(self, rid: str, processed: int) -> None:
+        """Every group frees the blocks the request no longer needs."""
         for mgr in self.managers:
             mgr.remove_skipped_blocks(rid, processed)
 
     def free(self, rid: str) -> None:
+        """Every group gives the request's blocks back to the pool."""
         for mgr in self.managers:
             mgr.free(rid)
 
     def take_cow(self) -> list[tuple[Block, Block]]:
+        """Every group's (source, copy) pairs queued since the last call."""
         out: list[tuple[Block, Block]] = []
         for mgr in self.managers:
             out.extend(mgr.take_cow())
         return out
 
     def new_step(self) -> None:
+        """A scheduling step starts."""
         for mgr in self.managers:
             mgr.new_step()

@@ -10,22 +10,18 @@ speculative or prefill-checkpoint Mamba blocks.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import ClassVar
 
-from sim.cache.hashing import Digest
+from sim.cache.hashing import Digest, block_digest
 from sim.cache.pool import Block, BlockPool, Key
 from sim.cache.request import CacheSeq
 from sim.cache_api import FULL_KINDS, GroupSpec
 
 
 def cdiv(a: int, b: int) -> int:
+    """Ceiling division."""
     return -(-a // b)
-
-
-def block_digest(hashes: Sequence[Digest], unit: int, block_size: int, i: int) -> Digest:
-    """Hash of group block i: the chain hash at its last hash-unit boundary (§4.4)."""
-    return hashes[(i + 1) * (block_size // unit) - 1]
 
 
 def mamba_checkpoint_position(num_tokens: int, unit: int) -> int:
@@ -39,7 +35,7 @@ HitBlocks = list[list[Block]]
 class GroupManager:
     """Shared bookkeeping: block tables, cached-block counts, partial-hit copy-on-write."""
 
-    fine_grained: ClassVar[bool] = False
+    fine_grained: ClassVar[bool] = False  # hits may end inside a block (vLLM's flag)
 
     def __init__(self, spec: GroupSpec, pool: BlockPool, group_id: int, scheduler_block: int):
         self.spec = spec
@@ -54,7 +50,13 @@ class GroupManager:
         self.pending_cow: list[tuple[Block, Block]] = []
 
     def blocks(self, rid: str) -> list[Block]:
+        """The request's block table (created empty on first use)."""
         return self.req_blocks.setdefault(rid, [])
+
+    @classmethod
+    def fine_lookup(cls, block_size: int, alignment: int) -> bool:
+        """Whether a lookup at this alignment probes hash-unit boundaries inside blocks."""
+        return cls.fine_grained and alignment < block_size and block_size % alignment == 0
 
     # ---- lookup (class-level: groups with one spec are looked up together) --------
     @classmethod
@@ -67,10 +69,13 @@ class GroupManager:
         spec: GroupSpec,
         alignment: int,
     ) -> tuple[HitBlocks, int]:
+        """(hit blocks per group, hit tokens <= max_length) for groups of this spec, as
+        vLLM's manager class finds them."""
         raise NotImplementedError
 
     # ---- allocation ----------------------------------------------------------------
     def num_skipped_tokens(self, num_computed: int) -> int:
+        """Leading tokens whose blocks a request no longer needs (e.g. outside a window)."""
         return 0
 
     def _partial_local_hit(self, new_computed: Sequence[Block], num_local: int) -> bool:
@@ -86,6 +91,8 @@ class GroupManager:
         num_tokens_main: int,
         apply_cap: bool = False,
     ) -> int:
+        """Blocks this allocation would take from the pool, hit blocks that are free now
+        included (vLLM's get_num_blocks_to_allocate)."""
         required = cdiv(num_tokens, self.block_size)
         if apply_cap and self.admission_cap is not None:
             required = min(required, self.admission_cap)
@@ -101,6 +108,7 @@ class GroupManager:
         return new + evictable
 
     def add_hit_blocks(self, rid: str, new_computed: Sequence[Block], num_local: int) -> None:
+        """Adopt a waiting request's hit blocks (skipped ones as null blocks)."""
         table = self.blocks(rid)
         assert not table
         skipped = self.num_skipped_tokens(num_local) // self.block_size
@@ -123,6 +131,7 @@ class GroupManager:
         cow.ref_cnt += 1  # held until the copy "ran" (end of scheduling)
 
     def allocate_new_blocks(self, rid: str, num_tokens: int, num_tokens_main: int) -> None:
+        """Grow the request's table to num_tokens (copying a partially hit block)."""
         if rid in self.partial_hit_reqs:
             idx, source = self.partial_hit_reqs.pop(rid)
             self._apply_cow(rid, idx, source, self.pool.get_new_blocks(1)[0])
@@ -135,11 +144,14 @@ class GroupManager:
     def reachable_mask(
         self, start: int, end: int, retention: int | None, boundaries: Sequence[int]
     ) -> list[bool] | None:
+        """Which of blocks [start, end) can serve a hit under the retention interval and the
+        replay and junction boundaries; None: all of them."""
         return None  # dense: every full block can serve a hit
 
     def cache_blocks(
         self, seq: CacheSeq, num_tokens: int, retention: int | None, replay: Sequence[int]
     ) -> None:
+        """Register the request's newly full (and reachable) blocks in the prefix cache."""
         rid = seq.request_id
         num_cached = self.num_cached.get(rid, 0)
         hashed = len(seq.block_hashes) * self.pool.hash_unit
@@ -172,6 +184,7 @@ class GroupManager:
             self.pool.free_blocks(freed)
 
     def remove_skipped_blocks(self, rid: str, processed: int) -> None:
+        """Free the blocks the request no longer needs after `processed` tokens."""
         skipped = self.num_skipped_tokens(processed)
         if skipped <= 0:
             return
@@ -179,6 +192,7 @@ class GroupManager:
         self._remove_range(rid, 0, min(skipped // self.block_size, len(table)))
 
     def pop_blocks(self, rid: str) -> list[Block]:
+        """Forget the request; returns its blocks, leading null blocks dropped."""
         table = self.req_blocks.pop(rid, [])
         self.num_cached.pop(rid, None)
         self.partial_hit_reqs.pop(rid, None)
@@ -188,14 +202,17 @@ class GroupManager:
         return table[lead:]
 
     def free(self, rid: str) -> None:
+        """Forget the request and give its blocks back to the pool."""
         # Tail first, so a request's later blocks are evicted before its earlier ones.
         self.pool.free_blocks(reversed(self.pop_blocks(rid)))
 
     def take_cow(self) -> list[tuple[Block, Block]]:
+        """The (source, copy) pairs queued since the last call."""
         pending, self.pending_cow = self.pending_cow, []
         return pending
 
     def new_step(self) -> None:
+        """A scheduling step starts."""
         return None
 
 
@@ -215,7 +232,6 @@ class FullAttentionManager(GroupManager):
         alignment: int,
     ) -> tuple[HitBlocks, int]:
         bs, unit = spec.block_size, pool.hash_unit
-        fine = alignment < bs and bs % alignment == 0
         found: HitBlocks = [[] for _ in group_ids]
         num_blocks = min(max_length // bs, len(hashes) // (bs // unit))
         for i in range(num_blocks):
@@ -225,7 +241,7 @@ class FullAttentionManager(GroupManager):
             for lst, blk in zip(found, cached, strict=True):
                 lst.append(blk)
         hit = len(found[0]) * bs
-        if fine:
+        if cls.fine_lookup(bs, alignment):
             # A partial entry inside the first missing block extends the hit (high to low).
             scale = bs // alignment
             first = len(found[0]) * scale
@@ -365,28 +381,26 @@ class MambaManager(GroupManager):
         alignment: int,
     ) -> tuple[HitBlocks, int]:
         bs, unit = spec.block_size, pool.hash_unit
+        # Where a state may be saved, highest first, with its hash: any hash-unit boundary
+        # (full or partial key) when fine-grained, else aligned block ends.
+        candidates: Iterable[tuple[int, Digest]]
+        if cls.fine_lookup(bs, alignment):
+            top = min(max_length // alignment, len(hashes))
+            candidates = (((i + 1) * alignment, hashes[i]) for i in range(top - 1, -1, -1))
+        else:
+            candidates = (
+                ((i + 1) * bs, block_digest(hashes, unit, bs, i))
+                for i in range(max_length // bs - 1, -1, -1)
+                if (i + 1) * bs % alignment == 0
+            )
         found: HitBlocks = [[] for _ in group_ids]
-        if alignment < bs and bs % alignment == 0:
-            # Fine-grained: any hash-unit boundary with a cached state (full or partial key).
-            scale = bs // alignment
-            for idx in range(min(max_length // alignment, len(hashes)) - 1, -1, -1):
-                cached = pool.get_cached(hashes[idx], group_ids)
-                if cached:
-                    for lst, blk in zip(found, cached, strict=True):
-                        lst.extend([pool.null_block] * (idx // scale))
-                        lst.append(blk)
-                    return found, (idx + 1) * alignment
-            return found, 0
-        for i in range(max_length // bs - 1, -1, -1):
-            cached = pool.get_cached(block_digest(hashes, unit, bs, i), group_ids)
-            if not cached:
-                continue
-            if bs != alignment and (i + 1) * bs % alignment != 0:
-                continue
-            for lst, blk in zip(found, cached, strict=True):
-                lst.extend([pool.null_block] * i)
-                lst.append(blk)
-            return found, (i + 1) * bs
+        for end, digest in candidates:
+            cached = pool.get_cached(digest, group_ids)
+            if cached:
+                for lst, blk in zip(found, cached, strict=True):
+                    lst.extend([pool.null_block] * ((end - 1) // bs))  # blocks before its own
+                    lst.append(blk)
+                return found, end
         return found, 0
 
     def num_skipped_tokens(self, num_computed: int) -> int:

@@ -34,6 +34,11 @@ def chunk_hash(
     return h.digest()
 
 
+def block_digest(hashes: Sequence[Digest], unit: int, block_size: int, i: int) -> Digest:
+    """Hash of a group's block i: the chain hash at its last hash-unit boundary (§4.4)."""
+    return hashes[(i + 1) * (block_size // unit) - 1]
+
+
 def external(digest: Digest) -> int:
     """The wire form of a hash: low 64 bits, unsigned (vLLM's int mode)."""
     return int.from_bytes(digest[-8:], "big")

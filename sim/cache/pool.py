@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from sim.cache.hashing import Digest, event_extra_keys, external
+from sim.cache.hashing import Digest, block_digest, event_extra_keys, external
 from sim.cache.request import CacheSeq
 from sim.events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 
@@ -179,19 +179,14 @@ class BlockPool:
         """Register blocks [num_cached, num_full) of a request and queue one BlockStored."""
         if num_cached >= num_full:
             return
-        scale = block_size // self.hash_unit
-        hashes = seq.block_hashes
-
-        def block_digest(i: int) -> Digest:
-            return hashes[(i + 1) * scale - 1]
-
+        unit, hashes = self.hash_unit, seq.block_hashes
         stored: list[int] = []
         extras: list[tuple[object, ...] | None] = []
         for i in range(num_cached, num_full):
             blk = blocks[i]
             if blk.is_null or (mask is not None and not mask[i - num_cached]):
                 continue
-            digest = block_digest(i)
+            digest = block_digest(hashes, unit, block_size, i)
             num_tokens = (i + 1) * block_size
             if blk.key is not None:
                 # Promotion of a block that held a partial entry: withdraw the old keys.
@@ -199,7 +194,11 @@ class BlockPool:
             self._insert_key((digest, group_id), blk, num_tokens)
             stored.append(external(digest))
             extras.append(event_extra_keys(seq.extra_keys(i * block_size)))
-        parent = None if num_cached == 0 else external(block_digest(num_cached - 1))
+        parent = (
+            None
+            if num_cached == 0
+            else external(block_digest(hashes, unit, block_size, num_cached - 1))
+        )
         self._events.append(
             self._stored_event(
                 seq,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
@@ -33,6 +34,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
+    """Everything that shapes one simulated engine (model, cache layout, limits, speed)."""
+
     model: str = "kvroute-sim"
     lora_adapters: tuple[str, ...] = ()
     profile: str = "dense"
@@ -50,6 +53,7 @@ class EngineConfig:
     model_dir: str = str(MODEL_DIR)
 
     def cache_spec(self) -> CacheSpec:
+        """The cache layout and limits; ValueError if one max_model_len request cannot fit."""
         groups = self.groups or profile_groups(self.profile, self.sliding_window)
         spec = CacheSpec(
             groups=groups,
@@ -68,11 +72,18 @@ class EngineConfig:
         return spec
 
     def lora_id(self, name: str) -> int | None:
+        """The engine's id of a LoRA adapter (1, 2, ... in the configured order), or None."""
         return self.lora_adapters.index(name) + 1 if name in self.lora_adapters else None
+
+    def lora_path(self, name: str) -> str:
+        """Where a LoRA adapter is said to be loaded from (part of its block hashes)."""
+        return f"/adapters/{name}"
 
 
 @dataclass(slots=True)
 class GenerateRequest:
+    """One generation request as the engine takes it (prompt tokenized, checks done)."""
+
     request_id: str
     prompt_ids: list[int]
     max_tokens: int
@@ -99,6 +110,8 @@ class TokenOutput:
 
 @dataclass(slots=True)
 class RequestHandle:
+    """A submitted request: its output queue and what the API reports about it."""
+
     request: GenerateRequest
     arrival: float
     queue: asyncio.Queue[TokenOutput] = field(default_factory=asyncio.Queue)
@@ -125,6 +138,8 @@ class EngineOverloaded(EngineError):
 
 
 class Engine:
+    """One simulated engine: scheduler, cache and modelled GPU time (see the module doc)."""
+
     def __init__(
         self,
         config: EngineConfig,
@@ -163,10 +178,12 @@ class Engine:
 
     # ---- lifecycle ----------------------------------------------------------------------
     async def start(self) -> None:
+        """Start the engine loop (a task on the running event loop)."""
         if self._task is None:
             self._task = asyncio.create_task(self._run(), name="sim-engine")
 
     async def stop(self) -> None:
+        """Stop the loop; requests in flight end as aborted."""
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -177,6 +194,8 @@ class Engine:
 
     # ---- requests -----------------------------------------------------------------------
     def submit(self, req: GenerateRequest) -> RequestHandle:
+        """Queue a request; its tokens arrive on the handle's queue. EngineOverloaded when the
+        waiting queue is full, EngineError for a duplicate id."""
         if req.request_id in self.handles:
             raise EngineError(f"request id {req.request_id!r} is already running")
         if self.scheduler.num_waiting >= self.config.max_waiting:
@@ -185,18 +204,8 @@ class Engine:
                 f"the engine already has {self.config.max_waiting} requests waiting; retry later"
             )
         handle = RequestHandle(req, arrival=time.monotonic())
-        lora = req.lora_name
-        self.scheduler.add(
-            CacheRequest(
-                req.request_id,
-                tuple(req.prompt_ids),
-                lora_name=lora,
-                lora_id=self.config.lora_id(lora) if lora else None,
-                lora_path=f"/adapters/{lora}" if lora else None,
-                cache_salt=req.cache_salt,
-                max_tokens=max(1, req.max_tokens),
-            )
-        )
+        request = self._cache_request(req.request_id, req.prompt_ids, req.lora_name, req.cache_salt)
+        self.scheduler.add(dataclasses.replace(request, max_tokens=max(1, req.max_tokens)))
         self.handles[req.request_id] = handle
         self._streams[req.request_id] = OutputStream(
             req.prompt_ids,
@@ -221,20 +230,28 @@ class Engine:
     ) -> tuple[int, list[int]]:
         """(hit, per-group hits) this prompt would get if admitted now; no side effects."""
         rid = f"probe-{uuid.uuid4().hex}"
-        self.cache.add_request(
-            CacheRequest(
-                rid,
-                tuple(prompt_ids),
-                lora_name=lora_name,
-                lora_id=self.config.lora_id(lora_name) if lora_name else None,
-                lora_path=f"/adapters/{lora_name}" if lora_name else None,
-                cache_salt=cache_salt,
-            )
-        )
+        self.cache.add_request(self._cache_request(rid, prompt_ids, lora_name, cache_salt))
         try:
             return self.cache.lookup(rid).hit_tokens, self.cache.per_group_hits(rid)
         finally:
             self.cache.free(rid)
+
+    def _cache_request(
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        lora_name: str | None,
+        cache_salt: str | None,
+    ) -> CacheRequest:
+        """A prompt as the cache sees it (a LoRA adapter gets its id and path here)."""
+        return CacheRequest(
+            request_id,
+            tuple(prompt_ids),
+            lora_name=lora_name,
+            lora_id=self.config.lora_id(lora_name) if lora_name else None,
+            lora_path=self.config.lora_path(lora_name) if lora_name else None,
+            cache_salt=cache_salt,
+        )
 
     async def reset_prefix_cache(self) -> bool:
         """vLLM's reset_prefix_cache at the next step boundary (False if blocks are in use)."""
@@ -256,6 +273,7 @@ class Engine:
 
     # ---- faults ---------------------------------------------------------------------------
     def set_hang(self, hang: bool) -> None:
+        """Freeze (or release) the engine loop and the gated API routes."""
         if hang:
             self._unhung.clear()
         else:
@@ -263,9 +281,11 @@ class Engine:
 
     @property
     def hung(self) -> bool:
+        """Whether the engine is frozen by the hang fault."""
         return not self._unhung.is_set()
 
     async def wait_unhung(self) -> None:
+        """Wait until the engine is not frozen."""
         await self._unhung.wait()
 
     # ---- the loop ---------------------------------------------------------------------------

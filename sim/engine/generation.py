@@ -49,6 +49,7 @@ class OutputStream:
         self.count = 0
 
     def next_token(self) -> int:
+        """The next generated token (EOS once the natural length is reached)."""
         self.count += 1
         if not self._ignore_eos and self.count >= self.natural_length:
             return self._eos

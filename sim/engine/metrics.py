@@ -70,4 +70,5 @@ class EngineMetrics:
         )
 
     def finished(self, reason: str) -> None:
+        """Count a request that finished for `reason` (stop, length)."""
         self._success.labels(*self._labels, reason).inc()

@@ -41,18 +41,18 @@ class SchedRequest:
 
 @dataclass(slots=True)
 class Scheduled:
+    """One request's share of a step."""
+
     request_id: str
     num_tokens: int  # tokens computed this step
     new: bool  # admitted this step
     cached_tokens: int  # prefix-cache hit adopted on admission (0 otherwise)
 
-    @property
-    def is_decode(self) -> bool:
-        return not self.new and self.num_tokens == 1
-
 
 @dataclass(slots=True)
 class StepPlan:
+    """What a step computes, and who was preempted for it."""
+
     scheduled: list[Scheduled] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
 
@@ -63,6 +63,8 @@ class StepPlan:
 
 @dataclass(slots=True)
 class StepResult:
+    """What a step produced: sampled tokens, finished requests, KV events."""
+
     tokens: dict[str, int] = field(default_factory=dict)  # request id -> sampled token
     finished: list[str] = field(default_factory=list)
     events: list[KvEvent] = field(default_factory=list)
@@ -74,6 +76,8 @@ Sampler = Callable[[str], int]
 
 
 class Scheduler:
+    """vLLM's V1 scheduling over a `CacheBackend` (see the module docstring)."""
+
     def __init__(
         self, cache: CacheBackend, *, max_num_seqs: int = 256, max_num_scheduled_tokens: int = 2048
     ) -> None:
@@ -89,6 +93,7 @@ class Scheduler:
 
     # ---- queue -----------------------------------------------------------------------
     def add(self, req: CacheRequest) -> None:
+        """Queue a request (FCFS)."""
         self.cache.add_request(req)
         self.requests[req.request_id] = SchedRequest(req, len(req.prompt_token_ids))
         self.waiting.append(req.request_id)
@@ -113,10 +118,12 @@ class Scheduler:
         return len(self.waiting)
 
     def has_work(self) -> bool:
+        """Whether any request is running or waiting."""
         return bool(self.running or self.waiting)
 
     # ---- one step --------------------------------------------------------------------
     def schedule(self) -> StepPlan:
+        """Plan one step: running requests first, then admissions (see the module docstring)."""
         plan = StepPlan()
         budget = self.budget
         self.cache.begin_step()

@@ -22,7 +22,6 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 MODEL_DIR = Path(__file__).resolve().parent
-MODEL_NAME = "kvroute-sim"
 VOCAB_SIZE = 4096
 SEED = 20240611
 NUM_SENTENCES = 40_000

@@ -34,6 +34,14 @@ class View:
         self.paths: dict[bytes, tuple[int, ...]] = {}
         self.pending: list[KvGroupEvent] = []
 
+    def place(self, lineage: Any) -> None:
+        """A snapshot's lineage: positions from dense stores, no copies."""
+        for ev in lineage:
+            assert ev.operation == STORE
+            assert len(ev.token_ids) == len(ev.block_hashes) * ev.block_size and ev.block_hashes
+            self.pending.append(ev)
+            self._resolve()
+
     def apply(self, events: Any) -> None:
         for ev in events:
             if ev.operation == STORE:
@@ -102,6 +110,7 @@ def remove(group: int, *hashes: bytes) -> dict[str, Any]:
 
 def rebuild(snap: Snapshot) -> View:
     view = View()
+    view.place(snap.lineage)
     view.apply(snap.events)
     return view
 
@@ -148,9 +157,13 @@ def test_snapshot_rebuilds_membership_and_positions_after_removals() -> None:
     for group, bh in live.counts:
         if group == 0:  # full attention holds the whole prefix of these: exact positions
             assert view.paths[bh] == live.paths[bh]
-    # The sliding-window tail of `a` outlived a's full-attention blocks: membership is exact,
-    # but its position is not rebuilt (documented; no hit can use it without those blocks).
-    assert view.counts[(1, h(tuple(a[:24])))] == 1 and h(tuple(a[:24])) not in view.paths
+    # The sliding-window tail of `a` outlived a's full-attention copies of it: membership is
+    # exact, and the lineage (a's full-attention record, sent position-only) places it.
+    assert view.counts[(1, h(tuple(a[:24])))] == 1
+    assert view.paths[h(tuple(a[:24]))] == tuple(a[:24])
+    assert [list(ev.block_hashes) for ev in snap.lineage] == [
+        [h(tuple(a[: (i + 1) * BS])) for i in range(6)]
+    ]
     # group declarations come first and carry the group's metadata
     assert (snap.events[1].group_id, snap.events[1].kind, snap.events[1].sliding_window) == (
         1,
@@ -312,3 +325,178 @@ def test_snapshot_equals_live_view(ops: list[tuple[Any, ...]], max_blocks: int) 
             chain = [h(tuple(p[: (j + 1) * BS])) for j in range(i + 1)]
             if all(c in fa for c in chain):
                 assert view.paths.get(chain[-1]) == tuple(p[: (i + 1) * BS])
+
+
+# -- lineage of evicted ancestors (layouts without a full-attention group) ----------------
+
+SWA = {"kind": "sliding_window", "sliding_window": 4 * BS}
+
+
+def test_snapshot_places_a_window_tail_whose_prefix_was_evicted() -> None:
+    """conformance-findings.md's minimal case: one sliding-window group; blocks [0, 2) leave
+    the window and are evicted; the snapshot must still place [2, 6)."""
+    state, live = EngineState(), View()
+    toks = list(range(300, 300 + 6 * BS))
+    live.apply(state.apply(batch(0, store(toks, 0, 6, **SWA))).events)
+    first = [h(tuple(toks[: (i + 1) * BS])) for i in range(2)]
+    live.apply(state.apply(batch(1, remove(0, first[0]), remove(0, first[1]))).events)
+    snap = state.snapshot()
+    (run,) = snap.events[1:]
+    assert run.parent_block_hash == first[1] and len(run.block_hashes) == 4
+    (lineage,) = snap.lineage  # the record itself, whole, position-only
+    assert lineage.parent_block_hash == b"" and list(lineage.token_ids) == toks
+    view = rebuild(snap)
+    assert view.counts == live.counts  # lineage adds no copies
+    assert all(view.paths[bh] == live.paths[bh] for _, bh in live.counts)
+
+
+def _hashes(toks: list[int], start: int, stop: int) -> list[bytes]:
+    return [h(tuple(toks[: (i + 1) * BS])) for i in range(start, stop)]
+
+
+def test_lineage_outlives_its_copies_while_a_descendant_needs_it() -> None:
+    state, live = EngineState(), View()
+    a = list(range(1000, 1000 + 6 * BS))
+    b = a[: 3 * BS] + list(range(2000, 2000 + 3 * BS))  # branches off a's third block
+    live.apply(state.apply(batch(0, store(a, 0, 6, **SWA))).events)
+    live.apply(state.apply(batch(1, store(b, 3, 6, **SWA))).events)  # its own record
+    assert state.records == 2
+    # a's blocks all leave the cache: its record is kept as lineage only, for b's
+    live.apply(state.apply(batch(2, *(remove(0, x) for x in _hashes(a, 0, 6)))).events)
+    assert state.records == 1 and state.lineage_blocks == 6 and state.blocks == 3
+    snap = state.snapshot()
+    assert [list(ev.block_hashes) for ev in snap.lineage] == [_hashes(a, 0, 6)]
+    view = rebuild(snap)
+    assert view.counts == live.counts
+    assert all(view.paths[bh] == live.paths[bh] for bh in _hashes(b, 3, 6))
+    # b's first block goes: its own record now places the rest, a's still places b
+    live.apply(state.apply(batch(3, remove(0, _hashes(b, 3, 4)[0]))).events)
+    snap = state.snapshot()
+    assert [len(ev.block_hashes) for ev in snap.lineage] == [6, 3]
+    assert all(rebuild(snap).paths[bh] == live.paths[bh] for bh in _hashes(b, 4, 6))
+    # the last descendant goes: the lineage is released with it
+    live.apply(state.apply(batch(4, *(remove(0, x) for x in _hashes(b, 4, 6)))).events)
+    assert state.records == 0 and state.lineage_blocks == 0 and state.blocks == 0
+    assert not state.snapshot().lineage
+
+
+def test_lineage_of_a_full_attention_chain_is_not_sent_when_the_chain_places_itself() -> None:
+    state = EngineState()
+    a = list(range(100, 100 + 6 * BS))
+    b = a[: 3 * BS] + list(range(200, 200 + 3 * BS))
+    state.apply(batch(0, store(a, 0, 6)))
+    state.apply(batch(1, store(b, 3, 6)))
+    state.apply(batch(2, *(remove(0, x) for x in _hashes(a, 3, 6))))  # a's tail only
+    snap = state.snapshot()
+    assert not snap.lineage and state.lineage_blocks == 0
+
+
+def test_lineage_bound_drops_the_oldest_and_counts() -> None:
+    state = EngineState(max_lineage_blocks=8)
+    tails = []
+    for i in range(4):  # four conversations, each with a live branch off an evicted prefix
+        a = list(range(10_000 * (i + 1), 10_000 * (i + 1) + 4 * BS))
+        b = a[: 2 * BS] + list(range(5000 + 100 * i, 5000 + 100 * i + 2 * BS))
+        state.apply(batch(3 * i, store(a, 0, 4, **SWA)))
+        state.apply(batch(3 * i + 1, store(b, 2, 4, **SWA)))
+        state.apply(batch(3 * i + 2, *(remove(0, x) for x in _hashes(a, 0, 4))))
+        tails.append(_hashes(b, 2, 4))
+    # the third conversation's lineage went over 8: the oldest went, down to 7/8 of it
+    assert state.lineage_blocks == 8 and state.stats.evicted_lineage_blocks == 8
+    view = rebuild(state.snapshot())
+    assert sum(view.counts.values()) == state.blocks == 8  # copies are never lost to it
+    placed = [all(bh in view.paths for bh in tail) for tail in tails]
+    assert placed == [False, False, True, True]  # the newest lineage is kept
+    # releasing a branch whose lineage was dropped is harmless; a kept one releases its own
+    state.apply(batch(99, *(remove(0, x) for x in tails[0] + tails[3])))
+    assert state.blocks == 4 and state.lineage_blocks == 4 and state.records == 2
+
+
+# Property: a subscriber that joins from a snapshot answers exactly as one that followed the
+# live stream, on layouts without full attention (sliding window, optionally with Mamba).
+# Stores name a parent the engine holds (the request's last computed block), as vLLM's do.
+_swa_op = st.one_of(
+    st.tuples(st.just("store"), st.integers(0, 4), st.integers(0, 7), st.integers(1, 4)),
+    st.tuples(st.just("remove"), st.integers(0, 10_000), st.integers(1, 3)),
+)
+
+
+@settings(max_examples=int(os.environ.get("KVROUTE_FUZZ_EXAMPLES", "200")), deadline=None)
+@given(st.lists(_swa_op, max_size=40), st.booleans(), st.sampled_from([None, 1, 6]))
+def test_snapshot_answers_like_the_live_stream_without_full_attention(
+    ops: list[tuple[Any, ...]], mamba: bool, max_lineage: int | None
+) -> None:
+    """Exact with the default lineage bound; with a tiny one, never higher than live."""
+    from indexer import GroupCache
+
+    shared = list(range(900, 900 + 3 * BS))
+    prompts = [shared[: (p % 3) * BS] + [p * 100 + i for i in range(40)] for p in range(5)]
+    prompts = [p[: 8 * BS] for p in prompts]
+    state = EngineState(max_lineage_blocks=max_lineage or 10**6)
+    live = GroupCache(hash_unit=BS)
+    held: Counter[tuple[int, bytes]] = Counter()
+    seq = -1
+    for op in ops:
+        seq += 1
+        if op[0] == "store":
+            _, p, start, length = op
+            toks = prompts[p]
+            stop = min(start + length, 8)
+            parent = _hashes(toks, start - 1, start)[0] if start else None
+            if start >= stop or (parent and not any(held[(g, parent)] for g in (0, 1))):
+                seq -= 1
+                continue
+            events = [store(toks, start, stop, **SWA)]
+            if mamba:  # a state at the store's last block: a sparse report over the span
+                events.append(
+                    dict(events[0], group_id=1, kind="mamba", sliding_window=0,
+                         block_hashes=events[0]["block_hashes"][-1:])
+                )  # fmt: skip
+            out = state.apply(batch(seq, *events))
+            for ev in events:
+                held.update((ev["group_id"], bh) for bh in ev["block_hashes"])
+        else:
+            keys = sorted(k for k, n in held.items() if n)
+            if not keys:
+                seq -= 1
+                continue
+            picked = [keys[(op[1] + i * 7) % len(keys)] for i in range(op[2])]
+            picked = list(dict.fromkeys(picked))
+            out = state.apply(batch(seq, *(remove(g, bh) for g, bh in picked)))
+            held.subtract(picked)
+        live.apply(out)
+    joined = GroupCache(hash_unit=BS)
+    joined.apply_snapshot(state.snapshot())
+    for toks in prompts:
+        for n in range(1, len(toks) + 2):
+            probe = [*toks, 1][:n]
+            got, expected = joined.reusable_tokens(probe), live.reusable_tokens(probe)
+            if max_lineage is None or state.stats.evicted_lineage_blocks == 0:
+                assert got == expected, n
+            else:
+                assert got is not None and expected is not None and got <= expected, n
+
+
+def test_lineage_metrics_follow_the_state() -> None:
+    from bridge.metrics import BridgeMetrics
+    from bridge.stream import RankStream
+
+    metrics = BridgeMetrics()
+    stream = RankStream(0, "b", EngineState(max_lineage_blocks=4), metrics)
+
+    def sample(name: str) -> float:
+        return metrics.registry.get_sample_value(name, {"dp_rank": "0"}) or 0.0
+
+    a = list(range(7000, 7000 + 4 * BS))
+    b = a[: 2 * BS] + list(range(8000, 8000 + 2 * BS))
+    stream.apply(batch(0, store(a, 0, 4, **SWA)))
+    stream.apply(batch(1, store(b, 2, 4, **SWA)))
+    stream.apply(batch(2, *(remove(0, x) for x in _hashes(a, 0, 4))))
+    assert sample("kvroute_bridge_state_lineage_blocks") == 4
+    c = list(range(9000, 9000 + 4 * BS))
+    d = c[: 2 * BS] + list(range(9500, 9500 + 2 * BS))
+    stream.apply(batch(3, store(c, 0, 4, **SWA)))
+    stream.apply(batch(4, store(d, 2, 4, **SWA)))
+    stream.apply(batch(5, *(remove(0, x) for x in _hashes(c, 0, 4))))
+    assert sample("kvroute_bridge_state_evicted_lineage_blocks_total") == 4
+    assert sample("kvroute_bridge_state_lineage_blocks") == 4

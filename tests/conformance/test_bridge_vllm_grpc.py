@@ -20,12 +20,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_recording import DRIVER, REPO, converted, vllm_python
+from vllm_recording import DRIVER, REPO, at_each_probe, converted, probe_namespace, vllm_python
 
 from bridge.app import Bridge, BridgeConfig
 from bridge.client import subscribe
 from bridge.follower import EngineEndpoints
-from indexer import GroupCache, Namespace
+from indexer import GroupCache
 from proto.events_pb2 import SubscribeResponse
 
 pytestmark = pytest.mark.vllm
@@ -183,14 +183,14 @@ def test_index_fed_over_grpc_matches_vllm(
     cache = GroupCache(hash_unit=16)
     cache.apply_snapshot(early[0].snapshot)
     batches = [m.batch for m in early[1:]]
-    applied = 0
-    for probe in sc["probes"]:
-        while applied < probe["after"]:
-            cache.apply(batches[applied])
-            applied += 1
-        namespace = Namespace(probe["lora_name"], probe["cache_salt"])
-        expected = probe["hit"] if probe["after"] else None
-        assert cache.reusable_tokens(probe["tokens"], namespace) == expected, probe["label"]
+    answers = at_each_probe(
+        sc["probes"],
+        batches,
+        cache.apply,
+        lambda probe: cache.reusable_tokens(probe["tokens"], probe_namespace(probe)),
+    )
+    for probe, got in zip(sc["probes"], answers, strict=True):
+        assert got == (probe["hit"] if probe["after"] else None), probe["label"]
 
     # A subscriber that joins at the end is warm at once: the snapshot answers as vLLM does.
     assert late.HasField("snapshot") and late.snapshot.sequence == len(batches) - 1
@@ -199,5 +199,5 @@ def test_index_fed_over_grpc_matches_vllm(
     final = [p for p in sc["probes"] if p["after"] == len(batches)]
     assert final
     for probe in final:
-        namespace = Namespace(probe["lora_name"], probe["cache_salt"])
-        assert warm.reusable_tokens(probe["tokens"], namespace) == probe["hit"], probe["label"]
+        got = warm.reusable_tokens(probe["tokens"], probe_namespace(probe))
+        assert got == probe["hit"], probe["label"]

@@ -15,16 +15,19 @@ import hashlib
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import pytest
 
 from bridge.convert import ConvertStats, convert_batch
 from bridge.vllm_schema import BatchDecoder
+from indexer import Namespace
 from proto.events_pb2 import KvEventBatch
+
+T = TypeVar("T")
 
 REPO = Path(__file__).resolve().parents[2]
 DRIVER = REPO / "tests" / "conformance" / "vllm_driver.py"
@@ -123,6 +126,7 @@ SCENARIOS = [
     "preempt_hybrid16",
     "long_hybrid_w512",
     "swa_only_dense",
+    "mamba_swa_dense",
     "limit_nonprefix_lcm",
     "limit_pmu16_fa64",
     "limit_swa_only_r0",
@@ -133,6 +137,28 @@ SCENARIOS = [
 ]
 
 
+def at_each_probe(
+    probes: list[dict[str, Any]],
+    batches: Sequence[KvEventBatch],
+    apply: Callable[[KvEventBatch], None],
+    ask: Callable[[dict[str, Any]], T],
+) -> list[T]:
+    """`ask(probe)` for each probe once the batches before it (its "after") are applied."""
+    applied = 0
+    answers = []
+    for probe in probes:
+        while applied < probe["after"]:
+            apply(batches[applied])
+            applied += 1
+        answers.append(ask(probe))
+    return answers
+
+
+def probe_namespace(probe: dict[str, Any]) -> Namespace:
+    """The namespace a probe was sent in."""
+    return Namespace(probe["lora_name"], probe["cache_salt"])
+
+
 def converted(sc: dict[str, Any], stats: ConvertStats | None = None) -> Iterator[KvEventBatch]:
     """The scenario's live frames through the bridge's decoder and converter, in order."""
     decoder = BatchDecoder()
@@ -141,23 +167,9 @@ def converted(sc: dict[str, Any], stats: ConvertStats | None = None) -> Iterator
     assert decoder.unknown_field_batches == 0, decoder.unknown_field_names
 
 
-# The random-workload scenarios that are not limits: reseeded with --extra-seeds.
-RESEEDED = [
-    "dense_fa16",
-    "hybrid16_r0",
-    "hybrid16_dense",
-    "hybrid16_r64_w48",
-    "mamba64_partial_r0",
-    "mamba64_partial_dense",
-    "mixed32_mamba64",
-    "two_windows_r0",
-    "swa32blk_mixed",
-    "equal64",
-    "bytes_cbor_dp1_r32",
-    "preempt_hybrid16",
-    "long_hybrid_w512",
-    "swa_only_dense",
-]
+# The random-workload scenarios (not scripted examples) that are not limits: the driver
+# reseeds them with --extra-seeds, in this order.
+RESEEDED = [name for name in SCENARIOS if not name.startswith(("example_", "limit_"))]
 SCENARIOS += [f"{name}~s{k}" for k in range(1, extra_seeds() + 1) for name in RESEEDED]
 
 # The driver's fleets (several workers recorded together), in its order.

@@ -313,6 +313,14 @@ def scenarios(extra_seeds: int = 0) -> list[Scenario]:
             Workload(requests=40),
             seed=15,
         ),
+        Scenario(
+            "mamba_swa_dense",
+            "Mamba64 + SWA16 (window 64), no full attention (Samba-like), dense retention: "
+            "window tails and Mamba states outlive their evicted prefixes",
+            BackendConfig((G(SW, 16, 64), G(MB, 64)), num_blocks=72, retention_interval=None),
+            Workload(requests=40, namespaces=NS_MIX),
+            seed=16,
+        ),
         # Known limits of event-based prediction.
         Scenario(
             "limit_nonprefix_lcm",

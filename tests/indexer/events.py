@@ -88,7 +88,10 @@ def batch(seq: int, *events: pb.KvGroupEvent) -> pb.KvEventBatch:
 
 
 def snapshot(
-    events: Sequence[pb.KvGroupEvent], sequence: int | None = None, reason: str = "initial"
+    events: Sequence[pb.KvGroupEvent],
+    sequence: int | None = None,
+    reason: str = "initial",
+    lineage: Sequence[pb.KvGroupEvent] = (),
 ) -> pb.Snapshot:
     return pb.Snapshot(
         sequence=sequence or 0,
@@ -96,4 +99,5 @@ def snapshot(
         events=list(events),
         stream_id="s",
         reason=reason,
+        lineage=list(lineage),
     )

@@ -20,7 +20,9 @@ Event semantics (the contract the indexer implements):
   a block size that is not a multiple of the hash unit, or an unmatchable parent make
   the block lineage-only;
 - at the end of a batch, known blocks no group holds are forgotten, and so are pending
-  blocks no group holds and no pending block waits on.
+  blocks no group holds and no pending block waits on;
+- a snapshot's lineage reports, applied before its events, are dense stores that give
+  positions only (no copies, no group declared).
 
 Hit rule (vLLM's coordinator): groups with equal (kind, block size, window) form a unit;
 full-attention units, in group order, each cut the cap in turn (contiguous blocks from 0,
@@ -103,7 +105,7 @@ class RefWorker:
 
     def apply_snapshot(self, snap: pb.Snapshot) -> None:
         self.discard()
-        self._batch(snap.events)
+        self._batch(snap.events, snap.lineage)
         self.last_sequence = snap.sequence if snap.has_sequence else None
 
     def invalidate(self) -> None:
@@ -118,19 +120,30 @@ class RefWorker:
         self.waits.clear()
         self.pending.clear()
 
-    def _batch(self, events: Sequence[pb.KvGroupEvent]) -> None:
-        for e in events:
+    def _batch(
+        self, events: Sequence[pb.KvGroupEvent], lineage: Sequence[pb.KvGroupEvent] = ()
+    ) -> None:
+        steps = [(self._place, e) for e in lineage] + [(self._event, e) for e in events]
+        for apply, e in steps:
             try:
-                self._event(e)
+                apply(e)
             except _Conflict:
                 self.discard()
                 try:
-                    self._event(e)
+                    apply(e)
                 except (_Conflict, _Malformed):
                     self.discard()
             except _Malformed:
                 self.discard()
         self._sweep()
+
+    def _place(self, e: pb.KvGroupEvent) -> None:
+        """A snapshot's lineage report: positions from a dense STORE, no copies, no group."""
+        if e.operation != pb.KvGroupEvent.STORE or e.block_size <= 0 or not all(e.block_hashes):
+            raise _Malformed
+        hashes, tokens = list(e.block_hashes), tuple(e.token_ids)
+        if hashes and len(tokens) == len(hashes) * e.block_size:
+            self._dense(e, hashes, tokens)
 
     def _event(self, e: pb.KvGroupEvent) -> None:
         if e.operation == pb.KvGroupEvent.STORE:

@@ -193,9 +193,15 @@ class WorkerStream:
             return [("batch", rng.choice(self.sent))]  # stale
         elif r < 0.95 and self.stores:
             picked = [e for e in self.stores if rng.random() < 0.5]
+            # Position-only lineage: past stores (dense ones place blocks, others are no-ops).
+            lineage = [e for e in self.stores if rng.random() < 0.3]
             has_seq = rng.random() < 0.5
             snap = pb.Snapshot(
-                sequence=self.seq, has_sequence=has_seq, events=picked, stream_id="x"
+                sequence=self.seq,
+                has_sequence=has_seq,
+                events=picked,
+                lineage=lineage,
+                stream_id="x",
             )
             if has_seq:
                 self.seq += 1

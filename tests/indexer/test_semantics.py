@@ -115,6 +115,41 @@ def test_snapshot_replaces_the_view_and_resumes_the_sequence() -> None:
     assert hit(gc) is None and gc.stats().last_sequence is None
 
 
+def test_snapshot_lineage_places_blocks_without_holding_them() -> None:
+    """A sliding-window tail whose prefix was evicted (the bridge's snapshot of it): the
+    lineage places the tail, holds nothing, and is released after the snapshot."""
+    swa = {"window": 64, "kind": SWA}
+    tail = store(0, H[2:6], P[32:96], 16, parent=H[1], **swa)  # type: ignore[arg-type]
+    lineage = [store(0, H[:2], P[:32], 16, **swa)]  # type: ignore[arg-type]
+    live = GroupCache()
+    live.apply(batch(0, store(0, H[:6], P[:96], 16, **swa)))  # type: ignore[arg-type]
+    live.apply(batch(1, remove(0, H[:2])))
+    assert hit(live) == 96
+    without = GroupCache()
+    without.apply_snapshot(snapshot([tail], sequence=1))
+    assert hit(without) == 0  # the tail waits for a parent nothing places
+    gc = GroupCache()
+    gc.apply_snapshot(snapshot([tail], sequence=1, lineage=lineage))
+    assert hit(gc) == 96
+    stats = gc.stats()
+    assert stats.blocks_per_group == {0: 4} and stats.entries == 4 and stats.pending == 0
+    assert hit(gc, P[:40]) == 0  # [0, 32) is placed but not held: no window there
+    # Lineage alone holds nothing and declares nothing: the worker has no groups.
+    only = GroupCache()
+    only.apply_snapshot(snapshot([], sequence=1, lineage=lineage))
+    assert hit(only) is None and only.stats().entries == 0
+
+
+def test_snapshot_lineage_that_contradicts_discards_the_view() -> None:
+    gc = GroupCache()
+    wrong = store(0, H[:2], P[16:48], 16)  # H[:2] at the same positions, other tokens
+    gc.apply_snapshot(snapshot([full(H[:3])], sequence=1, lineage=[full(H[:2]), wrong]))  # type: ignore[list-item]
+    # As for events: each contradiction restarts the view with the contradicting report
+    # (the wrong lineage, then the event that contradicts it); the events rebuild it.
+    assert gc.stats().conflicts == 2
+    assert hit(gc) == 48
+
+
 def test_snapshot_copies_are_counted() -> None:
     gc = GroupCache()
     gc.apply_snapshot(snapshot([full(H[:2]), full(H[:2])], sequence=1))  # type: ignore[list-item]

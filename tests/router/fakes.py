@@ -3,7 +3,7 @@ depend on event timing; the real `indexer.FleetIndex` is used by the integration
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from proto import events_pb2
@@ -19,22 +19,52 @@ class ScriptedIndex:
     snapshots: list[tuple[str, str]] = field(default_factory=list)
     removed: list[str] = field(default_factory=list)
 
-    def score(
+    def prompt_keys(
         self, token_ids: Sequence[int], lora_name: str = "", cache_salt: str = ""
+    ) -> Sequence[int] | None:
+        return None
+
+    def score(
+        self,
+        token_ids: Sequence[int],
+        lora_name: str = "",
+        cache_salt: str = "",
+        keys: Sequence[int] | None = None,
     ) -> Mapping[str, int | None]:
         return {
             k: (None if v is None else min(v, len(token_ids) - 1)) for k, v in self.scores.items()
         }
 
     def explain(
-        self, token_ids: Sequence[int], lora_name: str = "", cache_salt: str = ""
+        self,
+        token_ids: Sequence[int],
+        lora_name: str = "",
+        cache_salt: str = "",
+        keys: Sequence[int] | None = None,
     ) -> Mapping[str, ReuseExplanation]:
         return {
             k: ReuseExplanation(v, [], 16, "scripted") for k, v in self.score(token_ids).items()
         }
 
+    coverages: dict[str, int | None] = field(default_factory=dict)
+
+    def coverage(
+        self,
+        token_ids: Sequence[int],
+        lora_name: str = "",
+        cache_salt: str = "",
+        keys: Sequence[int] | None = None,
+    ) -> Mapping[str, int | None]:
+        return dict(self.coverages)
+
     def expect(
-        self, worker: str, token_ids: Sequence[int], lora_name: str, cache_salt: str, ttl_s: float
+        self,
+        worker: str,
+        token_ids: Sequence[int],
+        lora_name: str,
+        cache_salt: str,
+        ttl_s: float,
+        keys: Sequence[int] | None = None,
     ) -> None:
         self.expected.append((worker, len(token_ids), lora_name, cache_salt))
 
@@ -43,6 +73,12 @@ class ScriptedIndex:
 
     def apply_snapshot(self, worker: str, snapshot: events_pb2.Snapshot) -> None:
         self.snapshots.append((worker, snapshot.reason))
+
+    def apply_snapshot_steps(
+        self, worker: str, snapshot: events_pb2.Snapshot, blocks_per_step: int
+    ) -> Iterator[None]:
+        self.apply_snapshot(worker, snapshot)
+        yield
 
     def invalidate(self, worker: str) -> None:
         self.invalidated.append(worker)

@@ -46,8 +46,8 @@ def _bench(module: str, tmp_path: Path) -> dict[str, object]:
 
 def test_http_client_bench_smoke(tmp_path: Path) -> None:
     data = _bench("bench.http_client_bench", tmp_path)
-    assert data["smoke"] is True and data["chosen"] in ("aiohttp", "httpx")
-    assert len(data["cells"]) == 8  # type: ignore[arg-type]
+    assert data["smoke"] is True and data["chosen"] in ("aiohttp", "httpx", "kvroute-http1")
+    assert len(data["cells"]) == 12  # type: ignore[arg-type]
 
 
 def test_serve_with_two_processes(tmp_path: Path) -> None:

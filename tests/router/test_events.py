@@ -4,7 +4,7 @@ directly, no engine): snapshot then batches, loss and resume, resync from a snap
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 from bridge.metrics import BridgeMetrics
@@ -204,6 +204,99 @@ def test_a_message_the_index_rejects_resynchronises() -> None:
                 )
                 == 1
             )
+        finally:
+            await events.stop()
+            await bridge.stop()
+
+    run(go)
+
+
+def test_a_large_snapshot_is_applied_in_steps_between_other_work() -> None:
+    """The loop serves other tasks in the middle of a big snapshot (real index)."""
+    from router.fleet_index import FleetIndexView
+
+    class Counting(FleetIndexView):
+        steps = 0
+
+        def apply_snapshot_steps(
+            self, worker: str, snapshot: events_pb2.Snapshot, blocks_per_step: int
+        ) -> Iterator[None]:
+            for _ in super().apply_snapshot_steps(worker, snapshot, blocks_per_step):
+                self.steps += 1
+                yield
+
+    async def go() -> None:
+        bridge = FakeBridge()
+        await bridge.start()
+        blocks = 4096
+        big = OP(
+            operation=OP.STORE,
+            group_id=0,
+            block_hashes=[(i + 1).to_bytes(8, "big") for i in range(blocks)],
+            token_ids=[i % 50_000 for i in range(16 * blocks)],
+            block_size=16,
+            kind="full_attention",
+        )
+        bridge.stream.apply(events_pb2.KvEventBatch(sequence=1, events=[big]))
+        index = Counting(16)
+        cfg = EventsConfig(reconnect_initial_s=0.05, snapshot_step_blocks=256)
+        events = EventSubscriptions(index, cfg, RouterMetrics())
+        registry = WorkerRegistry(BreakerConfig())
+        registry.listen(events)
+        registry.add(
+            WorkerSpec(name="w0", url="http://127.0.0.1:1", bridge=f"127.0.0.1:{bridge.port}")
+        )
+        seen: list[int] = []
+
+        async def ticker() -> None:
+            while True:
+                seen.append(index.steps)
+                await asyncio.sleep(0)
+
+        tick = asyncio.create_task(ticker())
+        await events.start()
+        try:
+            await until(lambda: "w0" not in events.unusable())
+            assert index.score(list(range(16 * 8)))["w0"] == 112  # the snapshot is in
+            total = index.steps
+            assert total >= blocks // 256  # one step per 256 blocks (the event is cut)
+            assert any(0 < s < total for s in seen)  # other tasks ran in between
+        finally:
+            tick.cancel()
+            await events.stop()
+            await bridge.stop()
+
+    run(go)
+
+
+def test_a_resume_with_nothing_missed_is_live_at_once() -> None:
+    """The bridge sends its headers as soon as it accepts a subscription, so a router that
+    resumes with nothing missed trusts its kept view again without waiting for a batch."""
+
+    async def go() -> None:
+        bridge = FakeBridge()
+        await bridge.start()
+        bridge.stream.apply(batch(1, 0))
+        index = ScriptedIndex()
+        events = EventSubscriptions(
+            index, EventsConfig(reconnect_initial_s=0.05, reconnect_max_s=0.1), RouterMetrics()
+        )
+        registry = WorkerRegistry(BreakerConfig())
+        registry.listen(events)
+        registry.add(
+            WorkerSpec(name="w0", url="http://127.0.0.1:1", bridge=f"127.0.0.1:{bridge.port}")
+        )
+        await events.start()
+        try:
+            await until(lambda: "w0" not in events.unusable())
+            status = events.status("w0")
+            assert status is not None
+            await bridge.stop()
+            await until(lambda: status.state == LOST)
+            await bridge.start(bridge.port)  # the engine published nothing meanwhile
+            await until(lambda: status.state == LIVE, timeout=3.0)
+            assert "w0" not in events.unusable()
+            assert len(index.snapshots) == 1 and index.batches == []  # resumed, nothing sent
         finally:
             await events.stop()
             await bridge.stop()

@@ -176,3 +176,27 @@ def test_session_key_sources() -> None:
     dotted = PolicyConfig(session_header="", session_field="metadata.session")
     assert session_key({"x-session-id": "h"}, {"metadata": {"session": 12}}, dotted) == "12"
     assert session_key({}, {"metadata": "x"}, dotted) is None
+
+
+def test_affinity_when_nothing_is_reusable() -> None:
+    cfg, lm = policy()
+    p = make_policy(cfg, lm)
+    ws = fleet(3)
+    coverage = {"w0": 0, "w1": 3000, "w2": 1000}
+    d = p.decide(ws, RouteInput(4000, {"w0": 0, "w1": 0, "w2": 0}, "u", lambda: coverage), 0.0)
+    assert d.chosen is not None and d.chosen.name == "w1" and d.reason == "affinity"
+    assert {c.name: c.affinity for c in d.candidates} == coverage
+    # a busy w1 loses its affinity credit once its queue outweighs it
+    LoadTicket(ws[1].load, 40_000)  # 2 s of queued prefill vs 0.5 * 3000 tokens of credit
+    d = p.decide(ws, RouteInput(4000, {}, None, lambda: coverage), 0.0)
+    assert d.chosen is not None and d.chosen.name == "w2"
+    # no coverage anywhere, or the feature off: session / least load as before
+    d = p.decide(ws, RouteInput(4000, {}, "u", lambda: {"w0": 0}), 0.0)
+    assert d.reason == "session"
+    cfg0, lm0 = policy(affinity_weight=0.0)
+    d = make_policy(cfg0, lm0).decide(ws, RouteInput(4000, {}, None, lambda: coverage), 0.0)
+    assert d.reason == "least_load"
+    # cache evidence present: affinity is not consulted
+    called = []
+    d = p.decide(ws, RouteInput(4000, {"w0": 16}, None, lambda: called.append(1) or {}), 0.0)  # type: ignore[func-returns-value]
+    assert d.reason == "cache" and called == []

@@ -498,3 +498,18 @@ def test_an_index_failure_routes_without_evidence() -> None:
             assert metric(await metrics_text(r), "kvroute_errors_total", kind="index") == 2
 
     run(go())
+
+
+def test_requests_that_skip_the_prefix_cache_predict_no_reuse() -> None:
+    async def go() -> None:
+        async with rig(2) as r:
+            r.index.scores = {"w0": 0, "w1": 16}
+            resp = await r.client.post("/v1/chat/completions", json={**CHAT, "prompt_logprobs": 1})
+            assert resp.status_code == 200
+            d = r.parts.decisions.recent(1)[0].decision
+            assert d.reason != "cache" and d.predicted_reuse == 0
+            assert r.index.expected == []  # nothing to expect: vLLM does not read the cache
+            resp = await r.client.post("/v1/chat/completions", json=CHAT)
+            assert r.parts.decisions.recent(1)[0].decision.reason == "cache"
+
+    run(go())

@@ -119,6 +119,31 @@ def test_hybrid_choice_where_full_attention_only_is_wrong(profile: str) -> None:
     assert fa_chosen == "w0" and fa_cached == fa_truth["w0"] < cached
 
 
+def test_affinity_keeps_a_shared_prefix_together_on_a_hybrid_model() -> None:
+    """Nothing is reusable for a new request whose prefix sits in w-x's full-attention blocks
+    (its sliding-window state is gone there); the router still sends it to w-x, which stores
+    the state at that junction, so the next requests sharing the prefix reuse it."""
+    base = LONG[: len(LONG) * 8 // 10]
+
+    async def go() -> None:
+        async with sim_fleet(3, profile="swa") as r:
+
+            async def send(prompt: str) -> tuple[str, int, str]:
+                body = {"model": MODEL, "prompt": prompt, "max_tokens": 4}
+                resp = await r.client.post("/v1/completions", json=body)
+                cached = resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+                reason = r.parts.decisions.recent(1)[0].decision.reason
+                return resp.headers["x-kvroute-worker"], cached, reason
+
+            home, _, _ = await send(LONG)
+            second = await send(base + " first question")
+            assert second == (home, 0, "affinity")
+            third = await send(base + " second question")
+            assert third[0] == home and third[1] > 0.7 * len(base) / 6 and third[2] == "cache"
+
+    asyncio.run(go())
+
+
 def test_salted_and_lora_requests_stay_in_their_namespace() -> None:
     async def go() -> None:
         async with sim_fleet(3, engine={"lora_adapters": ("sql-lora",)}) as r:

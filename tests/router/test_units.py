@@ -280,9 +280,20 @@ def test_good_request_and_usage_injection() -> None:
     req = parse_request("/v1/chat/completions", body, [(b"x-session-id", b"abc")])
     assert req.stream and not req.wants_usage and req.model == "m"
     assert req.header_map["x-session-id"] == "abc"
-    injected = json.loads(with_stream_usage(req.body))
-    assert injected["stream_options"] == {"include_usage": True, "continuous_usage_stats": False}
-    assert injected["messages"] == req.body["messages"]
+    for raw in (None, body, body + b" \n"):
+        injected = json.loads(with_stream_usage(req.body, raw))
+        want = {"include_usage": True, "continuous_usage_stats": False}
+        assert injected["stream_options"] == want
+        assert injected["messages"] == req.body["messages"]
+    assert with_stream_usage(req.body, body).startswith(body[:-1])  # spliced, not re-encoded
+    # options the client set are kept (the body is re-encoded then)
+    opts = b'{"model": "m", "prompt": "x", "stream": true, "stream_options": {"x": 1}}'
+    req = parse_request("/v1/completions", opts, [])
+    assert json.loads(with_stream_usage(req.body, opts))["stream_options"] == {
+        "x": 1,
+        "include_usage": True,
+        "continuous_usage_stats": False,
+    }
 
 
 @settings(max_examples=200, deadline=None)
@@ -293,3 +304,23 @@ def test_parse_request_fuzz(raw: bytes) -> None:
             parse_request(endpoint, raw, [])
         except RouterError as exc:
             assert exc.kind.status == 400
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=5),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner),
+    max_leaves=8,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.dictionaries(st.text(max_size=6), json_values, min_size=1, max_size=5),
+    st.sampled_from([None, 1, 2]),
+)
+def test_usage_splice_equals_re_encoding(fields: dict[str, object], indent: int | None) -> None:
+    body = {"model": "m", "prompt": "x", **{f"x_{k}": v for k, v in fields.items()}}
+    raw = json.dumps(body, indent=indent).encode()
+    req = parse_request("/v1/completions", raw, [])
+    spliced = json.loads(with_stream_usage(req.body, raw))
+    assert spliced == json.loads(with_stream_usage(req.body))

@@ -18,6 +18,8 @@ from bridge.vllm_schema import (
 
 
 class Subscriber:
+    """A SUB socket on an engine's PUB endpoint (a context manager: closed on exit)."""
+
     def __init__(self, endpoint: str, topic: bytes = b"") -> None:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.SUB)
@@ -50,6 +52,12 @@ class Subscriber:
     def close(self) -> None:
         self.sock.close(0)
         self.ctx.term()
+
+    def __enter__(self) -> Subscriber:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def replay(endpoint: str, start: int, timeout: float = 2.0) -> list[Any] | None:

@@ -21,8 +21,7 @@ def test_live_events_and_replay_per_wire_version(wire: str) -> None:
     )
     with SimEngineThread(config, PublisherConfig(topic="kv@sim", wire_version=wire)) as sim:
         assert sim.events and sim.replay
-        sub = Subscriber(sim.events, b"kv@")
-        try:
+        with Subscriber(sim.events, b"kv@") as sub:
             with httpx.Client(base_url=sim.url, timeout=20) as c:
                 for i in range(3):
                     body = {"prompt": f"{i} {PROMPT}", "max_tokens": 20, "ignore_eos": True}
@@ -48,16 +47,13 @@ def test_live_events_and_replay_per_wire_version(wire: str) -> None:
             assert [p for _, p, _ in replayed] == [m.payload for m in msgs[1:]]
             expect_topic = None if wire == "0.23" else b"kv@sim"
             assert all(t == expect_topic for _, _, t in replayed)
-        finally:
-            sub.close()
 
 
 def test_events_match_the_engine_cache_and_reported_hits() -> None:
     config = EngineConfig(speed=200, num_blocks=256, max_model_len=1024)
     with SimEngineThread(config) as sim:
         assert sim.events
-        sub = Subscriber(sim.events)
-        try:
+        with Subscriber(sim.events) as sub:
             with httpx.Client(base_url=sim.url, timeout=20) as c:
                 r1 = c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 1}).json()
                 r2 = c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 1}).json()
@@ -70,5 +66,3 @@ def test_events_match_the_engine_cache_and_reported_hits() -> None:
             assert len(set(stored)) == len(stored)
             cached = sim.engine.cache.coord.pool.cached_keys()
             assert len(cached) == len(stored)
-        finally:
-            sub.close()

@@ -16,26 +16,15 @@ import sys
 from pathlib import Path
 
 import pytest
+from vllm_env import vllm_python
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 
 
-def _vllm_python() -> str | None:
-    candidates = [os.environ.get("KVROUTE_VLLM_PYTHON"), str(ROOT / ".venv-vllm/bin/python")]
-    for c in candidates:
-        if c and Path(c).exists():
-            return c
-    return None
-
-
 @pytest.mark.vllm
 def test_sim_cache_agrees_with_vllm_kv_cache_manager() -> None:
-    python = _vllm_python()
-    if python is None:
-        if os.environ.get("KVROUTE_REQUIRE_VLLM"):
-            pytest.fail("KVROUTE_REQUIRE_VLLM is set but no .venv-vllm python was found")
-        pytest.skip("vLLM environment (.venv-vllm) not available")
+    python = vllm_python()
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{HERE}"}
     proc = subprocess.run(
         [python, str(HERE / "vllm_agreement_runner.py"), "--seeds", "0-59"],

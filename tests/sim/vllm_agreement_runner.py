@@ -235,12 +235,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", default="0-9")
     args = parser.parse_args(argv)
     lo, _, hi = args.seeds.partition("-")
-    from vllm_protocol_backend import VllmProtocolBackend  # only importable in .venv-vllm
+    from sim.vllm_backend import VllmCacheBackend  # only importable in .venv-vllm
 
     bad = 0
     for seed in range(int(lo), int(hi or lo) + 1):
         sc = make_scenario(seed)
-        diff = first_divergence(run(SimCache, sc), run(VllmProtocolBackend, sc))
+        diff = first_divergence(run(SimCache, sc), run(VllmCacheBackend, sc))
         bad += diff is not None
         print(
             json.dumps(

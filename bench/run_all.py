@@ -35,6 +35,9 @@ ORDER = (
     "bridge",
     "tokenize",
     "sim_engine",
+    "http_client_bench",
+    "reliability",
+    "replicas",
 )
 
 
@@ -73,6 +76,9 @@ STEPS = (
     Step("bridge", "bench.bridge_bench", (), ("--smoke",), 600),
     Step("tokenize", "bench.tokenize_bench", (), ("--smoke",), 600),
     Step("sim_engine", "bench.sim_engine", (), ("--smoke",), 600),
+    Step("http_client_bench", "bench.http_client_bench", (), ("--smoke",), 600),
+    Step("reliability", "bench.reliability_bench", (), ("--smoke",), 1200),
+    Step("replicas", "bench.replica_warmup_bench", (), ("--smoke",), 1200),
 )
 
 

@@ -64,7 +64,7 @@ STEPS = (
         5400,
     ),
     Step(
-        "routing_vllm",
+        "routing_mamba_vllm",
         "bench.routing_bench",
         ("--profile", "mamba", "--cache-backend", "vllm", "--routers", VLLM_ROUTERS),
         ("--smoke", "--profile", "mamba", "--cache-backend", "vllm"),

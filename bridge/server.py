@@ -38,9 +38,6 @@ def kv_events_handler(
             )
             return
         subscriber = stream.subscribe(request)
-        # Headers now, not with the first message: a resumed subscriber with nothing to catch
-        # up on learns at once that its view is current again.
-        await context.send_initial_metadata(())
         try:
             # Headers now, not with the first message: a router that resumed with nothing
             # missed gets no message until the engine's next batch, and reads the headers

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from bench.fleet import FleetError, delta, scrape, start_fleet, vllm_python
+from bench.fleet import Fleet, FleetError, delta, scrape, start_fleet, vllm_python
 from bench.loadgen import LoadConfig, progress_printer, run_trace
 from bench.peers import find_peers
 from bench.procs import ProcessGroup
@@ -87,6 +87,29 @@ class BenchConfig:
     fleet_python: str | None = None
 
 
+def _start_fleet_retrying(
+    pg: ProcessGroup, cfg: BenchConfig, profile: str, run_dir: Path, attempts: int = 2
+) -> Fleet:
+    """Start the fleet; once more if it fails (start-up races on a busy machine)."""
+    for attempt in range(attempts):
+        try:
+            return start_fleet(
+                pg,
+                workers=cfg.workers,
+                profile=profile,
+                run_dir=run_dir,
+                extra_args=cfg.fleet_args,
+                python=cfg.fleet_python,
+                timeout_s=300.0 if cfg.fleet_python else 90.0,
+            )
+        except FleetError as exc:
+            if attempt + 1 == attempts:
+                raise
+            print(f"[{profile}] fleet did not start, retrying: {exc}"[:300], file=sys.stderr)
+            pg.stop_all()
+    raise AssertionError("unreachable")
+
+
 def run_router(cfg: BenchConfig, profile: str, name: str, run_dir: Path) -> dict[str, Any]:
     """One router on a fresh fleet: the result row (status ok / unavailable / failed)."""
     spec = ROUTERS[name]
@@ -95,15 +118,7 @@ def run_router(cfg: BenchConfig, profile: str, name: str, run_dir: Path) -> dict
     t0 = time.monotonic()
     with ProcessGroup(run_dir / "logs" / name) as pg:
         try:
-            fleet = start_fleet(
-                pg,
-                workers=cfg.workers,
-                profile=profile,
-                run_dir=run_dir,
-                extra_args=cfg.fleet_args,
-                python=cfg.fleet_python,
-                timeout_s=180.0 if cfg.fleet_python else 90.0,
-            )
+            fleet = _start_fleet_retrying(pg, cfg, profile, run_dir)
             router = start_router(pg, spec, fleet, peers)
         except RouterUnavailable as exc:
             return {**row, "status": "unavailable", "reason": str(exc)}
@@ -234,7 +249,8 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
         fleet_python = vllm_python()
         if fleet_python is None:
             raise SystemExit("--cache-backend vllm needs .venv-vllm (make vllm-env)")
-        fleet_args = (*fleet_args, "--cache-backend", "vllm")
+        # vLLM engines start slowly (imports, the cache manager), more so four at once.
+        fleet_args = (*fleet_args, "--cache-backend", "vllm", "--startup-timeout", "240")
         suffix = "_vllm" + suffix
         notes.append("engines use vLLM 0.33's own KVCacheManager (--cache-backend vllm)")
     return BenchConfig(

@@ -33,6 +33,11 @@ __all__ = [
 ]
 
 
+# Idle pooled connections are dropped before the engines' own idle timeout (vLLM's uvicorn
+# closes after 5 s), so a connection is never reused just as the engine closes it.
+_ENGINE_IDLE_S = 4.0
+
+
 class Upstream:
     def __init__(self, timeouts: TimeoutsConfig, limits: LimitsConfig) -> None:
         self._timeouts = timeouts
@@ -49,13 +54,12 @@ class Upstream:
             limit=self._limits.upstream_connections,
             connect_s=self._timeouts.connect_s,
             read_idle_s=self._timeouts.read_idle_s,
+            keepalive_s=_ENGINE_IDLE_S,
         )
         connector = aiohttp.TCPConnector(
             limit=self._limits.upstream_connections,
             limit_per_host=0,
-            # below the engines' own idle timeout (vLLM's uvicorn: 5 s), so a pooled
-            # connection is never reused just as the engine closes it
-            keepalive_timeout=4.0,
+            keepalive_timeout=_ENGINE_IDLE_S,
             ttl_dns_cache=300,
         )
         self._session = aiohttp.ClientSession(

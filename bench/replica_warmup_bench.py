@@ -31,42 +31,9 @@ import aiohttp
 
 from bench.loopback import Loopback, Router
 from bench.traffic import completion_body, metric, metrics, post_json, predictions, score, workers
+from bench.words import text
 
 RESULTS = Path(__file__).resolve().parent / "results"
-WORDS = [
-    "alpha",
-    "bravo",
-    "charlie",
-    "delta",
-    "echo",
-    "foxtrot",
-    "golf",
-    "hotel",
-    "india",
-    "juliet",
-    "kilo",
-    "lima",
-    "mike",
-    "november",
-    "oscar",
-    "papa",
-    "quebec",
-    "romeo",
-    "sierra",
-    "tango",
-    "uniform",
-    "victor",
-    "whiskey",
-    "xray",
-    "yankee",
-    "zulu",
-    "river",
-    "stone",
-]
-
-
-def _doc(rng: random.Random, words: int) -> str:
-    return " ".join(rng.choice(WORDS) for _ in range(words))
 
 
 async def fill(
@@ -77,7 +44,7 @@ async def fill(
     docs: list[str] = []
     total = 0
     while total < target_tokens:
-        batch = [_doc(rng, words) for _ in range(8)]
+        batch = [text(rng, words) for _ in range(8)]
         answers = await asyncio.gather(
             *(
                 post_json(http, engine_url + "/v1/completions", completion_body(d, max_tokens=1))

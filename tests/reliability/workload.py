@@ -5,52 +5,7 @@ from __future__ import annotations
 
 import random
 
-WORDS = [
-    "alpha",
-    "bravo",
-    "charlie",
-    "delta",
-    "echo",
-    "foxtrot",
-    "golf",
-    "hotel",
-    "india",
-    "juliet",
-    "kilo",
-    "lima",
-    "mike",
-    "november",
-    "oscar",
-    "papa",
-    "quebec",
-    "romeo",
-    "sierra",
-    "tango",
-    "uniform",
-    "victor",
-    "whiskey",
-    "xray",
-    "yankee",
-    "zulu",
-    "river",
-    "stone",
-    "cloud",
-    "paper",
-    "garden",
-    "window",
-    "silver",
-    "orange",
-    "market",
-    "engine",
-    "signal",
-    "harbor",
-    "lantern",
-    "meadow",
-]
-
-
-def text(rng: random.Random, words: int) -> str:
-    return " ".join(rng.choice(WORDS) for _ in range(words))
+from bench.words import text
 
 
 def documents(seed: int, n: int, words: int = 200) -> list[str]:

@@ -9,11 +9,11 @@ from dataclasses import dataclass
 from itertools import compress, repeat
 
 from indexer.feed import Feed
-from indexer.fleet_score import score_fast
+from indexer.fleet_score import full_bounds, score_fast
 from indexer.group_cache import explain_layout
 from indexer.inverted import InvertedIndex, WorkerPresence, WorkerSink
 from indexer.keys import Namespace, content_keys
-from indexer.layout import Layout, Rule, check_alignment
+from indexer.layout import Layout, Rule, check_alignment, rule_of
 from indexer.lineage import Lineage
 from indexer.plan import Plan, build_plan
 from indexer.results import WorkerScore, WorkerStats
@@ -270,15 +270,16 @@ class FleetIndex:
         self._expectations.expire(now)
 
     def _credit(self, keys: Sequence[int], n_tokens: int) -> dict[int, int]:
-        def rule_of(index: int) -> tuple[bool, int]:
-            name = self._names[index]
-            assert name is not None
-            layout = self._workers[name].lineage.layout()
-            if not layout.usable:
-                return False, self.hash_unit
-            return all(u.rule is Rule.FULL for u in layout.units), layout.alignment
+        return self._expectations.credit(keys, n_tokens - 1, self.hash_unit, self._rule_of)
 
-        return self._expectations.credit(keys, n_tokens - 1, self.hash_unit, rule_of)
+    def _rule_of(self, index: int) -> tuple[bool, int]:
+        """(all groups full attention, alignment) of a worker, for speculative credit."""
+        name = self._names[index]
+        assert name is not None
+        layout = self._workers[name].lineage.layout()
+        if not layout.usable:
+            return False, self.hash_unit
+        return all(u.rule is Rule.FULL for u in layout.units), layout.alignment
 
     # -- scoring ---------------------------------------------------------------------------
 
@@ -311,24 +312,74 @@ class FleetIndex:
 
     def score_keys(self, keys: Sequence[int], n_tokens: int) -> dict[str, int | None]:
         """`score` from `content_keys` the caller already computed."""
+        return self._score(keys, n_tokens, None)
+
+    def reach_keys(
+        self, keys: Sequence[int], n_tokens: int
+    ) -> tuple[dict[str, int | None], dict[str, int]]:
+        """`score_keys`, and for each worker with sliding-window or Mamba groups the prompt
+        tokens its full-attention groups hold (speculative credit included).
+
+        That coverage bounds the reuse; where it exceeds it, vLLM saves sliding-window and
+        Mamba state at its end when it serves the request (a shared-prefix junction), so
+        later requests sharing that prefix reuse it there. Workers with only full attention
+        (coverage = reuse) or none are absent from the second map. Costs nothing extra on
+        the bitset path: scoring walks the full-attention coverage anyway."""
+        coverage: dict[str, int] = {}
+        return self._score(keys, n_tokens, coverage), coverage
+
+    def _score(
+        self, keys: Sequence[int], n_tokens: int, coverage: dict[str, int] | None
+    ) -> dict[str, int | None]:
         plan = self._current_plan()
         result = self._unscored.copy()
-        for tokens, bits in score_fast(plan, self._inv.slots, keys, n_tokens, self.hash_unit):
+        slots = self._inv.slots
+        bounds = None
+        sparse = plan.sparse_mask & ~plan.nofull_mask
+        if coverage is not None and sparse:
+            coverage.update(zip(self._select(sparse), repeat(0)))
+        if coverage is not None and sparse and n_tokens > 1:
+            bounds = full_bounds(plan, slots, keys, n_tokens - 1, self.hash_unit)
+            for tokens, bits in bounds:
+                if bits & sparse:
+                    coverage.update(zip(self._select(bits & sparse), repeat(tokens)))
+        for tokens, bits in score_fast(plan, slots, keys, n_tokens, self.hash_unit, bounds):
             result.update(zip(self._select(bits), repeat(tokens)))
         for index in plan.fallback:
             name = self._names[index]
             assert name is not None
             w = self._workers[name]
-            result[name] = explain_layout(
-                w.lineage.layout(), self._presence(w), keys, n_tokens, self.hash_unit
-            ).reusable_tokens
+            layout = w.lineage.layout()
+            ws = explain_layout(layout, self._presence(w), keys, n_tokens, self.hash_unit)
+            result[name] = ws.reusable_tokens
+            if coverage is not None and any(u.rule is not Rule.FULL for u in layout.units):
+                full = [
+                    g.accepted_tokens
+                    for g in ws.groups
+                    if rule_of(g.kind, g.sliding_window) is Rule.FULL
+                    and g.accepted_tokens is not None
+                ]
+                if full:
+                    coverage[name] = min(full)
         if self._expectations.active:
-            for index, credit in self._credit(keys, n_tokens).items():
+            reach = self._expectations.reach(keys, n_tokens - 1, self.hash_unit)
+            credits = self._expectations.credit_from_reach(
+                reach, keys, self.hash_unit, self._rule_of
+            )
+            for index, credit in credits.items():
                 name = self._names[index]
                 assert name is not None
                 current = result[name]
                 if current is None or credit > current:
                     result[name] = credit
+            if coverage is not None:
+                for index, units in reach.items():
+                    name = self._names[index]
+                    assert name is not None
+                    if not self._rule_of(index)[0] and units * self.hash_unit > coverage.get(
+                        name, 0
+                    ):
+                        coverage[name] = units * self.hash_unit
         return result
 
     def explain(

@@ -236,13 +236,15 @@ def score_fast(
     keys: Sequence[int],
     n_tokens: int,
     unit: int,
+    bounds: list[tuple[int, int]] | None = None,
 ) -> list[tuple[int, int]]:
     """(reusable tokens, workers) for the plan's bitset-path workers; workers not listed
-    reuse 0."""
+    reuse 0. `bounds`, when given, is what `full_bounds` returned for the same request."""
     cap = n_tokens - 1
     if cap <= 0 or not plan.fast:
         return []
-    bounds = full_bounds(plan, slots, keys, cap, unit)
+    if bounds is None:
+        bounds = full_bounds(plan, slots, keys, cap, unit)
     sparse = plan.sparse_mask
     answers = [(f, w & ~sparse) for f, w in bounds if f > 0 and w & ~sparse]
     if not sparse:

@@ -194,7 +194,12 @@ class Expectations:
         rule_of: Callable[[int], tuple[bool, int]],
     ) -> dict[int, int]:
         """Credited tokens per worker index for a request. `rule_of(index)` gives
-        (all groups full attention, alignment) for a worker.
+        (all groups full attention, alignment) for a worker."""
+        return self.credit_from_reach(self.reach(keys, cap, hash_unit), keys, hash_unit, rule_of)
+
+    def reach(self, keys: Sequence[int], cap: int, hash_unit: int) -> dict[int, int]:
+        """Per worker index, the request's prefix (in hash units, up to `cap` tokens) that
+        the worker's expectations share.
 
         The workers expecting the request's key i can only shrink as i grows (a key
         commits to its whole prefix), so the common prefix of each worker is found by
@@ -224,6 +229,18 @@ class Expectations:
             for index in _indexes(alive & ~rest):
                 reach[index] = hi
             lo, alive = hi, rest
+        return reach
+
+    def credit_from_reach(
+        self,
+        reach: dict[int, int],
+        keys: Sequence[int],
+        hash_unit: int,
+        rule_of: Callable[[int], tuple[bool, int]],
+    ) -> dict[int, int]:
+        """`credit` from what `reach` returned for the same request: full-attention-only
+        workers are credited the shared prefix (aligned), the others only up to a replay
+        boundary of an expected prompt (where their sparse groups will hold state)."""
         out: dict[int, int] = {}
         for index, units in reach.items():
             full_only, alignment = rule_of(index)

@@ -127,7 +127,7 @@ class Admin:
         key = session_key(req.header_map, req.body, routing.cfg)
         decision = routing.policy.decide(
             eligible,
-            RouteInput(prompt.n_tokens, reuse, key, routing.coverage_lookup(prompt)),
+            RouteInput(prompt.n_tokens, reuse, key, prompt.coverage),
             self._clock(),
         )
         by_name = {c.name: c for c in decision.candidates}

@@ -78,12 +78,10 @@ class PolicyConfig:
     )
     affinity_weight: float = _f(
         0.5,
-        "when nothing is reusable anywhere, credit a worker this fraction of the prefill time "
-        "of the prompt tokens its full-attention blocks already hold (hybrid models store "
-        "state at such junctions, so later requests reuse it there); 0 = off",
-    )
-    affinity_max_workers: int = _f(
-        64, "skip that affinity lookup (per-worker, slow) above this many eligible workers"
+        "hybrid models: credit a worker this fraction of the prefill time of the prompt tokens "
+        "its full-attention blocks hold beyond its reuse (vLLM saves sliding-window/Mamba state "
+        "at that junction when it serves the request there, so later requests sharing the "
+        "prefix reuse it); 0 = greedy on reuse now",
     )
     session_header: str = _f("x-session-id", "request header holding the session key")
     session_field: str = _f("user", "request body field holding the session key")

@@ -82,18 +82,17 @@ class FleetIndexView:
             )
         return out
 
-    def coverage(
+    def reach(
         self,
         token_ids: Sequence[int],
         lora_name: str = "",
         cache_salt: str = "",
         keys: Sequence[int] | None = None,
-    ) -> Mapping[str, int | None]:
-        # explain() walks one worker at a time: fine for small fleets (the caller bounds it)
-        return {
-            worker: exp.full_attention_only()
-            for worker, exp in self.explain(token_ids, lora_name, cache_salt, keys).items()
-        }
+    ) -> tuple[Mapping[str, int | None], Mapping[str, int]]:
+        self._expire()
+        if keys is None:
+            keys = self.prompt_keys(token_ids, lora_name, cache_salt)
+        return self.index.reach_keys(keys, len(token_ids))
 
     def expect(
         self,

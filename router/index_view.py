@@ -61,7 +61,7 @@ class IndexStats:
 class IndexView(Protocol):
     """Every query takes the prompt's token ids and namespace; `keys`, when given, must be
     what `prompt_keys` returned for exactly those, so a request is hashed once however many
-    queries it makes (score, expectation, coverage)."""
+    queries it makes (score, reach, expectation)."""
 
     def prompt_keys(
         self, token_ids: Sequence[int], lora_name: str = "", cache_salt: str = ""
@@ -87,14 +87,16 @@ class IndexView(Protocol):
         keys: Sequence[int] | None = None,
     ) -> Mapping[str, ReuseExplanation]: ...
 
-    def coverage(
+    def reach(
         self,
         token_ids: Sequence[int],
         lora_name: str = "",
         cache_salt: str = "",
         keys: Sequence[int] | None = None,
-    ) -> Mapping[str, int | None]:
-        """Prompt tokens each worker's full-attention groups hold (may exceed the reuse)."""
+    ) -> tuple[Mapping[str, int | None], Mapping[str, int]]:
+        """`score`, and the prompt tokens held by the full-attention groups of each worker
+        that also has sliding-window or Mamba groups (may exceed its reuse; workers with
+        only full attention are absent: their coverage is their reuse)."""
         ...
 
     def expect(

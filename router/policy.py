@@ -43,7 +43,7 @@ class Candidate:
     kv_usage: float | None
     est_ttft_s: float
     saturated: bool
-    affinity: int = 0  # prompt tokens in its full-attention blocks (looked up on cold requests)
+    affinity: int = 0  # full-attention prompt tokens beyond the reuse (a junction saved there)
 
     @property
     def name(self) -> str:
@@ -69,8 +69,9 @@ class RouteInput:
     n_tokens: int  # prompt length (estimated when ids are unknown)
     reuse: Mapping[str, int | None]  # predicted reuse per worker (empty = no ids)
     session_key: str | None
-    # full-attention coverage per worker, computed only if a policy asks (it is slower)
-    coverage: Callable[[], Mapping[str, int | None]] | None = None
+    # full-attention coverage of the workers with sliding-window or Mamba groups (missing:
+    # the same as the reuse); see TTFTPolicy._junction_credit
+    coverage: Mapping[str, int] | None = None
 
 
 class LoadModel:
@@ -208,20 +209,37 @@ class TTFTPolicy(Policy):
         self.rotation = _Rotation()
 
     def pick(self, cands: list[Candidate], req: RouteInput) -> tuple[Candidate, str, str]:
+        credit = self._junction_credit(cands, req)
         best_reuse = max((c.reuse or 0 for c in cands), default=0)
-        if best_reuse <= 0:
+        if best_reuse <= 0 and not any(c.affinity for c in cands):
             return self._cold(cands, req)
-        best = min(cands, key=_ttft_key)
+
+        def key(c: Candidate) -> tuple[float, int, int, str]:
+            # The name breaks exact ties, so replicas whose registries list the workers in
+            # different orders (discovery events arrive in any order) choose alike.
+            return (c.est_ttft_s - credit * c.affinity, -(c.reuse or 0), c.running, c.name)
+
+        best = min(cands, key=key)
         if best.saturated and self.cfg.spill:
             calm = [c for c in cands if not c.saturated]
             if calm:
-                alt = min(calm, key=_ttft_key)
+                alt = min(calm, key=key)
                 return (
                     alt,
                     SPILL,
                     f"{best.name} saturated (est TTFT {best.est_ttft_s:.3f}s, running "
                     f"{best.running}); best unsaturated reuses {alt.reuse or 0} tokens",
                 )
+        if best.affinity > 0 and (best.reuse or 0) < max(best_reuse, 1):
+            return (
+                best,
+                AFFINITY,
+                f"reuses {best.reuse or 0} of {req.n_tokens} tokens (fleet best {best_reuse}) "
+                f"but its full-attention blocks hold {best.affinity} more: serving it there "
+                "stores the state that later requests sharing them reuse",
+            )
+        if best_reuse <= 0:
+            return best, LEAST_LOAD, "nothing reusable; lowest estimated TTFT"
         return (
             best,
             CACHE,
@@ -230,9 +248,6 @@ class TTFTPolicy(Policy):
         )
 
     def _cold(self, cands: list[Candidate], req: RouteInput) -> tuple[Candidate, str, str]:
-        found = self._affinity(cands, req)
-        if found is not None:
-            return found
         if req.session_key is not None:
             chosen = self.session.pick(cands, req.session_key)
             if chosen is not None:
@@ -241,38 +256,25 @@ class TTFTPolicy(Policy):
         chosen = least_load(calm, self.rotation)
         return chosen, LEAST_LOAD, "no cache evidence and no session key; least load"
 
-    def _affinity(
-        self, cands: list[Candidate], req: RouteInput
-    ) -> tuple[Candidate, str, str] | None:
-        """Nothing is reusable now, but a worker's full-attention blocks may hold the prompt's
-        prefix (on hybrid models vLLM keeps sliding-window/Mamba state only at junctions).
-        Sending the request there creates that junction: the next requests sharing the
-        prefix reuse it. Credit `affinity_weight` of those tokens' prefill time."""
+    def _junction_credit(self, cands: list[Candidate], req: RouteInput) -> float:
+        """Seconds credited per full-attention token a worker holds beyond its reuse.
+
+        On hybrid models vLLM keeps sliding-window and Mamba state only at replay boundaries
+        and shared-prefix junctions: a prefix that a worker's full-attention blocks hold
+        becomes reusable there once a request sharing it is served there (vLLM saves the
+        state at the junction). Greedy "most reuse now" never makes that investment, so
+        the next requests sharing the prefix keep paying for it; `affinity_weight` is the
+        fraction of those tokens' prefill time credited. Sets `Candidate.affinity`."""
         weight = self.cfg.affinity_weight
-        if req.coverage is None or weight <= 0 or len(cands) > self.cfg.affinity_max_workers:
-            return None
-        coverage = req.coverage()
-        if not any(coverage.values()):
-            return None
-        credit = weight / self.cfg.prefill_tokens_per_s
+        coverage = req.coverage
+        if not coverage or weight <= 0:
+            return 0.0
+        n = req.n_tokens
         for c in cands:
-            c.affinity = min(coverage.get(c.name) or 0, req.n_tokens)
-        calm = [c for c in cands if not c.saturated] or cands
-        best = min(calm, key=lambda c: (c.est_ttft_s - credit * c.affinity, -c.affinity))
-        if best.affinity <= 0:
-            return None
-        return (
-            best,
-            AFFINITY,
-            f"nothing reusable yet; {best.affinity} prompt tokens are in its full-attention "
-            "blocks (serving it there stores the state later requests reuse)",
-        )
-
-
-def _ttft_key(c: Candidate) -> tuple[float, int, int, str]:
-    # The name breaks exact ties, so replicas whose registries list the workers in different
-    # orders (discovery events arrive in any order) still make the same choice.
-    return (c.est_ttft_s, -(c.reuse or 0), c.running, c.name)
+            covered = coverage.get(c.name)
+            if covered:
+                c.affinity = max(0, min(covered, n) - (c.reuse or 0))
+        return weight / self.cfg.prefill_tokens_per_s
 
 
 class FullAttentionOnlyPolicy(TTFTPolicy):

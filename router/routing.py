@@ -55,6 +55,8 @@ class Prompt:
     cache_salt: str
     cacheable: bool = True  # False: vLLM will not read the prefix cache for it
     keys: Sequence[int] | None = None  # the index's keys for it, computed once (`Routing.keys`)
+    # full-attention coverage of hybrid workers, found while scoring (`Routing.reuse`)
+    coverage: Mapping[str, int] | None = None
 
 
 class Routing:
@@ -172,7 +174,8 @@ class Routing:
                     for name, exp in self.index.explain(ids, lora, salt, keys).items()
                 }
             else:
-                scores = self.index.score(ids, lora, salt, keys)
+                scores, coverage = self.index.reach(ids, lora, salt, keys)
+                prompt.coverage = coverage
         except Exception as exc:  # an index bug must not fail requests: route without evidence
             self._ratelog.error("score", "index scoring failed, routing without it: %r", exc)
             self._metrics.child(self._metrics.errors, "index").inc()
@@ -180,6 +183,8 @@ class Routing:
         down = self._unusable()
         if down:
             scores = {name: (None if name in down else v) for name, v in scores.items()}
+            if prompt.coverage:
+                prompt.coverage = {n: v for n, v in prompt.coverage.items() if n not in down}
         return scores
 
     def decide(
@@ -196,7 +201,7 @@ class Routing:
         key = session_key(req.header_map, req.body, self.cfg)
         decision = self.policy.decide(
             workers,
-            RouteInput(prompt.n_tokens, reuse, key, self.coverage_lookup(prompt)),
+            RouteInput(prompt.n_tokens, reuse, key, prompt.coverage),
             self._clock(),
         )
         self._decision_hist.observe(time.perf_counter() - started)
@@ -208,28 +213,6 @@ class Routing:
                 retry_after=self._retry_after,
             )
         return decision
-
-    def coverage_lookup(self, prompt: Prompt) -> Callable[[], Mapping[str, int | None]] | None:
-        """A lazy full-attention coverage lookup for the policy (None without ids)."""
-        ids = prompt.token_ids
-        if ids is None or self._fa_only or not prompt.cacheable:
-            return None
-
-        def lookup() -> Mapping[str, int | None]:
-            try:
-                found = self.index.coverage(
-                    ids, prompt.lora_name, prompt.cache_salt, self.keys(prompt)
-                )
-            except Exception as exc:
-                self._ratelog.error("coverage", "index coverage failed: %r", exc)
-                self._metrics.child(self._metrics.errors, "index").inc()
-                return _EMPTY
-            down = self._unusable()
-            if down:
-                return {name: (None if name in down else v) for name, v in found.items()}
-            return found
-
-        return lookup
 
     def expect(self, worker: Worker, prompt: Prompt) -> None:
         """Credit the chosen worker with this prompt until its events arrive (or expiry)."""

@@ -9,7 +9,8 @@ import random
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from indexer import FleetIndex, GroupCache, Namespace
+from indexer import FleetIndex, GroupCache, Namespace, WorkerScore, content_keys
+from indexer.layout import Rule, rule_of
 from proto import events_pb2 as pb
 from tests.indexer.reference import RefWorker
 from tests.indexer.streams import LAYOUTS, make_stream
@@ -41,6 +42,26 @@ def _feed(
         ref.alignment_override = arg
 
 
+def _full_attention_coverage(
+    fleet: FleetIndex, explained: dict[str, WorkerScore]
+) -> dict[str, int]:
+    """The coverage `reach_keys` promises, from the per-worker explanation: the shortest
+    full-attention group hit of each usable worker that also has other groups."""
+    out: dict[str, int] = {}
+    for name, ws in explained.items():
+        if ws.reusable_tokens is None or ws.expected_tokens:
+            continue
+        rules = [rule_of(g.kind, g.sliding_window) for g in ws.groups]
+        full = [
+            g.accepted_tokens
+            for g, rule in zip(ws.groups, rules, strict=True)
+            if rule is Rule.FULL and g.accepted_tokens is not None
+        ]
+        if full and any(rule is not Rule.FULL for rule in rules):
+            out[name] = min(full)
+    return out
+
+
 def _run(seed: int, n_workers: int, steps: int, caps: tuple[int, int] | None) -> None:
     rng = random.Random(seed)
     # With caps, a contradiction the index no longer sees (it evicted the contradicted
@@ -64,6 +85,12 @@ def _run(seed: int, n_workers: int, steps: int, caps: tuple[int, int] | None) ->
             ns = Namespace(*probe.ns)
             scores = fleet.score(probe.tokens, ns)
             explained = fleet.explain(probe.tokens, ns)
+            keys = content_keys(probe.tokens, ns, fleet.hash_unit)
+            reached, coverage = fleet.reach_keys(keys, len(probe.tokens))
+            assert reached == scores
+            assert coverage == _full_attention_coverage(fleet, explained), (seed, step)
+            for name, covered in coverage.items():
+                assert (scores[name] or 0) <= covered, (seed, step, name)
             for name in streams:
                 ref = refs[name].score(probe.tokens, probe.ns)
                 got = caches[name].reusable_tokens(probe.tokens, ns)

@@ -46,16 +46,16 @@ class ScriptedIndex:
             k: ReuseExplanation(v, [], 16, "scripted") for k, v in self.score(token_ids).items()
         }
 
-    coverages: dict[str, int | None] = field(default_factory=dict)
+    coverages: dict[str, int] = field(default_factory=dict)
 
-    def coverage(
+    def reach(
         self,
         token_ids: Sequence[int],
         lora_name: str = "",
         cache_salt: str = "",
         keys: Sequence[int] | None = None,
-    ) -> Mapping[str, int | None]:
-        return dict(self.coverages)
+    ) -> tuple[Mapping[str, int | None], Mapping[str, int]]:
+        return self.score(token_ids, lora_name, cache_salt, keys), dict(self.coverages)
 
     def expect(
         self,

@@ -80,8 +80,9 @@ HYBRID = {
     # w0: full attention covers 1024 tokens, but its sliding-window group kept only the first
     # 8 blocks: vLLM can reuse just 128 tokens there.
     "w0": [store(0, "full_attention", 64), store(1, "sliding_window", 8, window=WINDOW)],
-    # w1: full attention covers 512 tokens and the window group covers them too: 512 reusable.
-    "w1": [store(0, "full_attention", 32), store(1, "sliding_window", 32, window=WINDOW)],
+    # w1: full attention covers 768 tokens and the window group covers them too: 768 reusable
+    # (more than w0's 128 plus the default junction credit, half of w0's other 896 tokens).
+    "w1": [store(0, "full_attention", 48), store(1, "sliding_window", 48, window=WINDOW)],
 }
 
 
@@ -91,7 +92,7 @@ def test_hybrid_correct_choice_where_full_attention_only_is_wrong() -> None:
             ans = await score(r)
             by = {w["worker"]: w for w in ans["workers"]}
             assert by["w0"]["predicted_reuse"] == 128
-            assert by["w1"]["predicted_reuse"] == 512
+            assert by["w1"]["predicted_reuse"] == 768
             assert by["w0"]["full_attention_only_reuse"] == 1024  # what llm-d/Dynamo see
             assert ans["chosen"] == "w1" and ans["reason"] == "cache"
             kinds = {g["kind"]: g["accepted_tokens"] for g in by["w0"]["groups"]}
@@ -147,5 +148,28 @@ def test_expectation_sends_a_follow_up_to_the_same_worker() -> None:
             assert by[target] == 1088  # aligned down to 16
             second = await r.client.post("/v1/completions", json={"model": "m", "prompt": follow})
             assert second.json()["engine"] == target
+
+    asyncio.run(go())
+
+
+JUNCTION = {
+    # w0: full attention holds 1024 tokens, the window group only the first 8 blocks: 128
+    # reusable now, but serving the request there makes vLLM save window state at 1024.
+    "w0": [store(0, "full_attention", 64), store(1, "sliding_window", 8, window=WINDOW)],
+    # w1: 512 reusable and nothing more.
+    "w1": [store(0, "full_attention", 32), store(1, "sliding_window", 32, window=WINDOW)],
+}
+
+
+def test_junction_credit_invests_where_full_attention_holds_more() -> None:
+    async def go() -> None:
+        async with fleet(JUNCTION) as r:
+            ans = await score(r)
+            by = {w["worker"]: w for w in ans["workers"]}
+            assert (by["w0"]["predicted_reuse"], by["w1"]["predicted_reuse"]) == (128, 512)
+            # 128 + 0.5 * 896 credited tokens beat 512
+            assert ans["chosen"] == "w0" and ans["reason"] == "affinity", ans
+            assert by["w0"]["affinity_tokens"] == 1024 - 128
+            assert by["w1"]["affinity_tokens"] == 0
 
     asyncio.run(go())

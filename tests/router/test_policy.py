@@ -183,20 +183,30 @@ def test_affinity_when_nothing_is_reusable() -> None:
     p = make_policy(cfg, lm)
     ws = fleet(3)
     coverage = {"w0": 0, "w1": 3000, "w2": 1000}
-    d = p.decide(ws, RouteInput(4000, {"w0": 0, "w1": 0, "w2": 0}, "u", lambda: coverage), 0.0)
+    d = p.decide(ws, RouteInput(4000, {"w0": 0, "w1": 0, "w2": 0}, "u", coverage), 0.0)
     assert d.chosen is not None and d.chosen.name == "w1" and d.reason == "affinity"
     assert {c.name: c.affinity for c in d.candidates} == coverage
     # a busy w1 loses its affinity credit once its queue outweighs it
     LoadTicket(ws[1].load, 40_000)  # 2 s of queued prefill vs 0.5 * 3000 tokens of credit
-    d = p.decide(ws, RouteInput(4000, {}, None, lambda: coverage), 0.0)
+    d = p.decide(ws, RouteInput(4000, {}, None, coverage), 0.0)
     assert d.chosen is not None and d.chosen.name == "w2"
     # no coverage anywhere, or the feature off: session / least load as before
-    d = p.decide(ws, RouteInput(4000, {}, "u", lambda: {"w0": 0}), 0.0)
+    d = p.decide(ws, RouteInput(4000, {}, "u", {"w0": 0}), 0.0)
     assert d.reason == "session"
     cfg0, lm0 = policy(affinity_weight=0.0)
-    d = make_policy(cfg0, lm0).decide(ws, RouteInput(4000, {}, None, lambda: coverage), 0.0)
+    d = make_policy(cfg0, lm0).decide(ws, RouteInput(4000, {}, None, coverage), 0.0)
     assert d.reason == "least_load"
-    # cache evidence present: affinity is not consulted
-    called = []
-    d = p.decide(ws, RouteInput(4000, {"w0": 16}, None, lambda: called.append(1) or {}), 0.0)  # type: ignore[func-returns-value]
-    assert d.reason == "cache" and called == []
+    # with reuse somewhere: w1 reuses less now but would store the junction at 3500
+    # (0.5 * 3500 tokens of credit outweigh its 1000 extra uncached tokens)
+    warm = {"w0": 1000, "w1": 0, "w2": 0}
+    d = p.decide(fleet(3), RouteInput(4000, warm, None, {"w1": 3500}), 0.0)
+    assert d.chosen is not None and d.chosen.name == "w1" and d.reason == "affinity"
+    assert d.chosen.affinity == 3500
+    # a junction only 1000 tokens beyond the best reuse is not worth 1000 extra now
+    d = p.decide(fleet(3), RouteInput(4000, warm, None, {"w1": 1500}), 0.0)
+    assert d.chosen is not None and d.chosen.name == "w0" and d.reason == "cache"
+    # coverage equal to the reuse earns nothing; weight 0 is greedy on reuse now
+    d = p.decide(fleet(3), RouteInput(4000, warm, None, {"w0": 1000}), 0.0)
+    assert d.chosen is not None and d.chosen.name == "w0" and d.chosen.affinity == 0
+    d = make_policy(cfg0, lm0).decide(fleet(3), RouteInput(4000, warm, None, {"w1": 3500}), 0.0)
+    assert d.chosen is not None and d.chosen.name == "w0" and d.reason == "cache"

@@ -182,6 +182,23 @@ def kvroute_predictions(url: str) -> dict[str, Any] | None:
     }
 
 
+def kvroute_decision_reasons(url: str) -> dict[str, int] | None:
+    """kvroute's routing decisions by reason (its /metrics), e.g. {"cache": 250, "spill": 3}."""
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=5.0) as resp:
+            text = resp.read().decode()
+    except (urllib.error.URLError, OSError, UnicodeDecodeError):
+        return None
+    out: dict[str, int] = {}
+    for line in text.splitlines():
+        if not line.startswith("kvroute_routing_decisions_total{"):
+            continue
+        labels, _, value = line.rpartition(" ")
+        reason = labels.split('reason="', 1)[1].split('"', 1)[0]
+        out[reason] = out.get(reason, 0) + int(float(value))
+    return out
+
+
 def _lists_model(url: str, model: str) -> bool:
     try:
         with urllib.request.urlopen(url + "/v1/models", timeout=2.0) as resp:

@@ -38,6 +38,7 @@ from bench.routers import (
     ROUTERS,
     RouterUnavailable,
     kvroute_available,
+    kvroute_decision_reasons,
     kvroute_predictions,
     start_router,
 )
@@ -136,6 +137,7 @@ def run_router(cfg: BenchConfig, profile: str, name: str, run_dir: Path) -> dict
         row["loadavg_1m"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
         if spec.kind == "kvroute":
             row["prediction"] = kvroute_predictions(router.url)
+            row["decisions"] = kvroute_decision_reasons(router.url)
     summary = summarize(records, cfg.slo_ttft_s)
     row.update(delta(before, after))
     row["summary"] = summary.to_json()

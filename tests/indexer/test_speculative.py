@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from indexer import FleetIndex, Namespace
+from indexer import FleetIndex, Namespace, content_keys
 from tests.indexer.events import FULL, MAMBA, SWA, batch, engine_hashes, store
 
 RNG = random.Random(11)
@@ -45,6 +45,26 @@ def test_hybrid_worker_is_credited_only_at_the_replay_boundary() -> None:
     assert fi.score(P[:120])["hybrid"] == 96
     # a request sharing 70 tokens: Mamba/SWA state exists only at 96: no credit
     assert fi.score(P[:70] + [1] * 30)["hybrid"] == 0
+
+
+def test_hybrid_coverage_includes_the_expected_prefix() -> None:
+    """A sibling sharing 70 tokens of an expected prompt reuses nothing there yet, but the
+    hybrid worker's full attention will hold those tokens: reach_keys reports them."""
+    fi = _fleet()
+    fi.expect("hybrid", P[:100], None, expires_at=10.0)
+    sibling = P[:70] + [1] * 30
+    scores, coverage = fi.reach_keys(fi_keys(fi, sibling), len(sibling))
+    assert scores == {"full": 0, "hybrid": 0}
+    assert coverage == {"hybrid": 64}  # 4 whole hash units shared; "full" is absent
+    # events (which confirm the expectation): full attention holds 96 tokens, the sliding
+    # window and Mamba groups nothing, so 0 is reusable and 96 covered
+    fi.apply("hybrid", batch(1, store(0, H[:6], P[:96], 16, FULL)))
+    scores, coverage = fi.reach_keys(fi_keys(fi, P[:120]), 120)
+    assert scores["hybrid"] == 0 and coverage == {"hybrid": 96}
+
+
+def fi_keys(fi: FleetIndex, ids: list[int]) -> list[int]:
+    return content_keys(ids, None, fi.hash_unit)
 
 
 def test_unknown_worker_gets_a_score_from_an_expectation() -> None:

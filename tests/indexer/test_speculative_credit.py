@@ -13,11 +13,8 @@ from indexer.speculative import Expectations
 UNIT = 16
 
 
-def brute_force(
-    exps: Expectations, keys: list[int], cap: int, rules: dict[int, tuple[bool, int]]
-) -> dict[int, int]:
-    """Per worker: the longest common prefix with any of its expectations; credit that
-    (aligned) on full-attention workers, else the furthest replay boundary inside it."""
+def brute_reach(exps: Expectations, keys: list[int], cap: int) -> dict[int, int]:
+    """Per worker: the longest common prefix (in units) with any of its expectations."""
     m = min(len(keys), cap // UNIT)
     out: dict[int, int] = {}
     for index, mine in exps._by_worker.items():
@@ -27,6 +24,19 @@ def brute_force(
             while n < m and n < len(exp.keys) and exp.keys[n] == keys[n]:
                 n += 1
             reach = max(reach, n)
+        if reach:
+            out[index] = reach
+    return out
+
+
+def brute_force(
+    exps: Expectations, keys: list[int], cap: int, rules: dict[int, tuple[bool, int]]
+) -> dict[int, int]:
+    """Per worker: the longest common prefix with any of its expectations; credit that
+    (aligned) on full-attention workers, else the furthest replay boundary inside it."""
+    out: dict[int, int] = {}
+    for index, reach in brute_reach(exps, keys, cap).items():
+        mine = exps._by_worker[index]
         full_only, alignment = rules[index]
         if full_only:
             credit = reach * UNIT - (reach * UNIT) % alignment
@@ -71,6 +81,7 @@ def test_credit_matches_brute_force(seed: int, workers: int) -> None:
         cap = len(ids) - 1
         got = exps.credit(keys, cap, UNIT, rules.__getitem__)
         assert got == brute_force(exps, keys, cap, rules)
+        assert exps.reach(keys, cap, UNIT) == brute_reach(exps, keys, cap)
 
 
 def test_extending_an_expectation_keeps_one_heap_entry_and_the_latest_expiry() -> None:

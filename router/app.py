@@ -88,6 +88,7 @@ def build_tokenizers(cfg: RouterConfig, upstream: Upstream, metrics: RouterMetri
         threads=t.threads,
         cache_entries=t.cache_entries,
         render_timeout_s=t.render_timeout_s,
+        inline_chars=t.inline_chars,
         registry=metrics.registry,
         http=upstream,
     )

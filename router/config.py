@@ -201,6 +201,11 @@ class TokenizerConfig:
         "unset = such models are routed without cache evidence",
     )
     threads: int = _f(2, "threads tokenizing off the event loop")
+    inline_chars: int = _f(
+        4096,
+        "prompt text not in the conversation prefix cache up to this many characters is "
+        "encoded on the event loop (cheaper than the hop to a thread); 0 = always a thread",
+    )
     cache_entries: int = _f(4096, "conversation prefixes whose ids are cached")
     render_timeout_s: float = _f(5.0, "timeout of one render-endpoint call")
 

@@ -168,6 +168,18 @@ class LocalTokenizer:
         self, body: Mapping[str, Any], encode: PieceEncoder | None = None
     ) -> tuple[list[int], EncodeStats]:
         """Ids for a completions body whose prompt is text (ids prompts are handled earlier)."""
+        return self.text_ids(*self.completion_text(body), encode)
+
+    def uncached_chars(self, text: str) -> int:
+        """Characters of `text` that `text_ids` would encode (the rest comes from the
+        prefix cache): a cheap look-up that tells whether encoding is worth a thread hop."""
+        if not self._cache_enabled:
+            return len(text)
+        hit = self.cache.lookup(text, self.cache.digests(text, self._cache_seed))
+        return len(text) - (hit.anchor if hit is not None else 0)
+
+    def completion_text(self, body: Mapping[str, Any]) -> tuple[str, bool]:
+        """(prompt text, add_special_tokens) of a completions body; errors as the engine's."""
         if body.get("prompt_embeds") is not None:
             raise NotExact("prompt_embeds")
         if body.get("suffix") is not None:
@@ -190,7 +202,7 @@ class LocalTokenizer:
             raise TokenizeError(
                 "`add_special_tokens` must be a boolean", param="add_special_tokens"
             )
-        return self.text_ids(prompt, add_special, encode)
+        return prompt, add_special
 
     # ---- encoding -------------------------------------------------------------------------
 

@@ -55,6 +55,7 @@ class Tokenizers:
         registry: CollectorRegistry | None = None,
         http: JsonPoster | None = None,
         verify_every: int = 1000,
+        inline_chars: int = 4096,
     ) -> None:
         if threads < 1:
             raise ValueError("threads must be >= 1")
@@ -68,6 +69,7 @@ class Tokenizers:
         self._own_poster = AiohttpPoster() if http is None else None
         self._render = RenderClient(http or self._own_poster or AiohttpPoster(), render_timeout_s)
         self._verify_every = verify_every
+        self._inline_chars = inline_chars
         self._local: dict[str, LocalTokenizer | _LoadFailure] = {}
         self._load_locks: dict[str, asyncio.Lock] = {}
         self._validators: dict[str, IdsValidator] = {}
@@ -180,18 +182,26 @@ class Tokenizers:
             return TokenizedPrompt(res.ids, "render")
         if local is None:
             raise NotExact("load_failed")
-        ids, stats = await self._run(self._local_ids, local, endpoint, body)
+        # Rendering and the prefix-cache look-up are cheap; encoding what the cache lacks
+        # runs here when it is small (a multi-turn request adds one turn) and in the pool
+        # when it would stall the loop. The hop costs more than a short encode.
+        text, add_special = self._local_text(local, endpoint, body)
+        if local.uncached_chars(text) <= self._inline_chars:
+            ids, stats = local.text_ids(text, add_special)
+        else:
+            ids, stats = await self._run(local.text_ids, text, add_special)
         self._count(key, stats)
         return TokenizedPrompt(ids, "local")
 
     @staticmethod
-    def _local_ids(
+    def _local_text(
         local: LocalTokenizer, endpoint: str, body: Mapping[str, Any]
-    ) -> tuple[list[int], EncodeStats]:
+    ) -> tuple[str, bool]:
+        """(text to encode, add_special_tokens) for a request the local tokenizer serves."""
         if endpoint == "/v1/chat/completions":
-            return local.chat_ids(body)
+            return local.render_chat(body)
         if endpoint == "/v1/completions":
-            return local.completion_ids(body)
+            return local.completion_text(body)
         if endpoint == "/v1/embeddings":
             text = body.get("input")
             if isinstance(text, list) and text and isinstance(text[0], str):
@@ -203,7 +213,7 @@ class Tokenizers:
                 raise TokenizeError(
                     "`add_special_tokens` must be a boolean", param="add_special_tokens"
                 )
-            return local.text_ids(text, add_special)
+            return text, add_special
         raise NotExact("endpoint_not_local")
 
     def _count(self, key: str, stats: EncodeStats) -> None:

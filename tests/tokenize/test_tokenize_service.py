@@ -95,6 +95,40 @@ def test_second_turn_reuses_the_first(model_dirs: dict[str, Path]) -> None:
     assert _value(reg, "kvroute_tokenize_prefix_cache_entries") >= 1
 
 
+def test_short_encodes_stay_on_the_loop_long_ones_use_the_pool(
+    model_dirs: dict[str, Path],
+) -> None:
+    """Text beyond the prefix cache up to inline_chars is encoded inline (no thread), more
+    in the pool; the ids are the same either way."""
+    spec = TokenizerSpec("local", path=str(model_dirs["chatml"]))
+    ref = _reference(model_dirs["chatml"])
+    history = "tell me a story " * 600  # ~9,600 characters
+
+    async def go() -> None:
+        tz = Tokenizers({"m": spec}, inline_chars=2048)
+        await tz.start()  # loads the tokenizer in the pool
+        assert tz._executor is not None
+        tz._executor.shutdown(wait=True)
+        tz._executor = None
+        try:
+            short = await tz.token_ids("m", CHAT, _chat("hello there"), None)
+            assert tz._executor is None  # no thread was needed
+            first = await tz.token_ids("m", CHAT, _chat(history), None)
+            assert tz._executor is not None  # 9,600 new characters: encoded in the pool
+            tz._executor.shutdown(wait=True)
+            tz._executor = None
+            turn = _chat(history, "once upon a time", "go on")
+            second = await tz.token_ids("m", CHAT, turn, None)
+            assert tz._executor is None  # only the new turn was encoded, inline
+            for got, body in ((short, _chat("hello there")), (first, _chat(history))):
+                assert got is not None and got.token_ids == ref.chat_ids(body)[0]
+            assert second is not None and second.token_ids == ref.chat_ids(turn)[0]
+        finally:
+            await tz.aclose()
+
+    run(go)
+
+
 def test_unknown_model_without_default_gets_none(model_dirs: dict[str, Path]) -> None:
     reg = CollectorRegistry()
 

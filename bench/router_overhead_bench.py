@@ -198,11 +198,13 @@ async def _paced_load(
 ) -> dict[str, Any]:
     """Streams back-to-back on `concurrency` connections; time to first chunk and to the end.
 
-    `stagger_s` 0: every connection starts its first stream at the same instant, and since
-    every stream lasts as long, they stay in step: each round is a burst of `concurrency`
-    simultaneous requests. `stagger_s` > 0 (one stream's duration): connection i starts
-    i/concurrency of it later, so streams start and end spread out in time, as independent
-    clients' would; `concurrency` streams are still in flight at every moment."""
+    `stagger_s` 0: rounds of `concurrency` streams started at the same instant, the next
+    round when the whole round is over: each round is a burst of `concurrency` simultaneous
+    requests (the worst case, kept in step on purpose: left alone, streams delayed by the
+    burst drift apart). `stagger_s` > 0 (one stream's duration): connection i starts
+    i/concurrency of it later and then runs streams back to back, so streams start and end
+    spread out in time, as independent clients' would; `concurrency` streams are in flight
+    at every moment."""
     body = json.dumps({"model": "m", "prompt": PROMPT_IDS, "max_tokens": 16, "stream": True})
     headers = {"content-type": "application/json"}
     firsts: list[float] = []
@@ -230,7 +232,11 @@ async def _paced_load(
                 remaining -= 1
                 await one(True)
 
-        await asyncio.gather(*(worker(i) for i in range(concurrency)))
+        if stagger_s > 0:
+            await asyncio.gather(*(worker(i) for i in range(concurrency)))
+        else:
+            for _ in range(max(1, total // concurrency)):
+                await asyncio.gather(*(one(True) for _ in range(concurrency)))
     firsts.sort()
     totals.sort()
     return {
@@ -532,9 +538,10 @@ def _paced_lines(result: dict[str, Any]) -> list[str]:
         f"{pc['pace_ms']} ms ({PACED_CHUNKS} content events, then the end of the stream one "
         f"step later, on a fixed schedule from the request's arrival), {pc['requests']} "
         "streams per run. *Staggered*: stream i of the "
-        f"{n} connections starts i/{n} of a stream's duration after the first, so starts are "
-        "spread out as independent clients' are. *Synchronized*: all start at once and stay in "
-        f"step, so every round is a burst of {n} simultaneous requests.",
+        f"{n} connections starts i/{n} of a stream's duration after the first, then streams run "
+        "back to back, so starts are spread out as independent clients' are. *Synchronized*: "
+        f"rounds of {n} streams started at the same instant (the next round once the whole "
+        f"round is over), so every round is a burst of {n} simultaneous requests.",
         "",
         "| | staggered direct | staggered router | staggered added | synchronized direct | "
         "synchronized router | synchronized added |",

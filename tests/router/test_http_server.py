@@ -74,3 +74,31 @@ def test_an_app_failing_before_its_response_still_gets_a_500() -> None:
             writer.close()
 
     asyncio.run(go())
+
+
+def test_a_head_request_and_an_empty_body_are_answered() -> None:
+    """Responses that write no body bytes still get their head (when they complete)."""
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        headers = [(b"content-length", b"0")] if scope["path"] == "/empty" else []
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def go() -> None:
+        async with serve(app, http=PROTOCOL) as url:
+            host, port = url.removeprefix("http://").split(":")
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(b"HEAD /x HTTP/1.1\r\nhost: t\r\n\r\n")
+            data = await _read_until(reader, b"\r\n\r\n")
+            assert data.startswith(b"HTTP/1.1 200 OK")
+            writer.write(b"GET /empty HTTP/1.1\r\nhost: t\r\n\r\n")
+            data = await _read_until(reader, b"\r\n\r\n")
+            assert data.startswith(b"HTTP/1.1 200 OK") and b"content-length: 0" in data
+            writer.close()
+
+    asyncio.run(go())

@@ -1,4 +1,4 @@
-"""`kvroute serve`: run the router (uvicorn with uvloop and httptools, router.http_server).
+"""`kvroute serve`: run the router (uvicorn with uvloop and httptools).
 
 Flags override the config file, which overrides the defaults; KVROUTE_* environment variables
 sit between the file and the flags. `--workers N` runs N router processes on one port (each
@@ -82,13 +82,11 @@ def main(argv: list[str]) -> int:
     _setup_logging(config.log_level)
     import uvicorn
 
-    from router.http_server import PROTOCOL as HTTP_PROTOCOL
-
     common: dict[str, Any] = {
         "host": config.host,
         "port": config.port,
         "loop": "uvloop",
-        "http": HTTP_PROTOCOL,  # uvicorn's httptools, the head written with the body
+        "http": "httptools",
         "lifespan": "on",
         "access_log": False,
         "proxy_headers": False,  # the router never reads the client address

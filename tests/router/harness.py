@@ -13,7 +13,6 @@ import httpx
 from router.app import Components, create_app
 from router.config import RouterConfig
 from router.config_load import config_from_dict
-from router.http_server import PROTOCOL as HTTP_PROTOCOL
 from router.index_view import IndexView
 from tests.router.fake_engine import EngineScript, make_engine, serve
 from tests.router.fakes import ScriptedIndex
@@ -85,6 +84,6 @@ async def rig(
         cfg = router_config(workers, **config)
         idx = index if index is not None else ScriptedIndex()
         app = create_app(cfg, index=idx)
-        url = await stack.enter_async_context(serve(app, loop="asyncio", http=HTTP_PROTOCOL))
+        url = await stack.enter_async_context(serve(app, loop="asyncio"))
         client = await stack.enter_async_context(httpx.AsyncClient(base_url=url, timeout=10))
         yield Rig(url, client, scripts, urls, app.state.kvroute, idx, servers)

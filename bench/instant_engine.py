@@ -117,27 +117,34 @@ class _Conn(asyncio.Protocol):
             self.transport.close()
 
     def _paced(self, body: bytes) -> None:
-        """Stream events one per `pace_s` (a decode step): the first at once."""
+        """Stream one content event per `pace_s` (a decode step), the first at once, on a
+        fixed schedule from the request's arrival (a late step does not delay the ones after
+        it: a GPU's decode steps do not wait for this process's CPU). The end of the stream
+        (the finish chunk, the usage chunk when asked for, `[DONE]`) follows the last content
+        event one step later, written back to back as vLLM does: usage costs no decode step."""
         b = self.bodies
         events = [e + b"\n\n" for e in b["stream"].split(b"\n\n") if e]
+        content, tail = events[:-1], [events[-1]]
         if b'"include_usage":true' in body or b'"include_usage": true' in body:
-            events.append(b["usage"])
-        events.append(b["done"])
-        chunks = [_chunk(e) for e in events]
-        chunks[-1] += b"0\r\n\r\n"
-        head = (
+            tail.append(b["usage"])
+        tail.append(b["done"])
+        steps = [[_chunk(e)] for e in content] + [[_chunk(e) for e in tail]]
+        steps[-1][-1] += b"0\r\n\r\n"
+        steps[0][0] = (
             b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-            b"transfer-encoding: chunked\r\n\r\n"
+            b"transfer-encoding: chunked\r\n\r\n" + steps[0][0]
         )
         loop = asyncio.get_running_loop()
         transport = self.transport
+        start = loop.time()
 
         def send(i: int) -> None:
             if transport.is_closing():
                 return
-            transport.write((head if i == 0 else b"") + chunks[i])
-            if i + 1 < len(chunks):
-                loop.call_later(self.pace_s, send, i + 1)
+            for data in steps[i]:
+                transport.write(data)
+            if i + 1 < len(steps):
+                loop.call_at(start + (i + 1) * self.pace_s, send, i + 1)
 
         send(0)
 

@@ -411,11 +411,15 @@ class Proxy:
         sse = SseFilter(strip_usage_chunk=inject_usage)
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         chunk = first
+        out = b""
         try:
             while chunk:
                 out = sse.feed(chunk)
+                if resp.at_end:
+                    break  # the last piece: sent below with the end of the body, in one write
                 if out:
                     await send({"type": "http.response.body", "body": out, "more_body": True})
+                out = b""
                 chunk = await resp.next_chunk()
         except (UpstreamConnectError, UpstreamTimeout) as exc:
             self._metrics.child(self._metrics.errors, MID_STREAM.kind).inc()
@@ -433,7 +437,7 @@ class Proxy:
             )
             return None
         resp.release()
-        await send({"type": "http.response.body", "body": sse.flush(), "more_body": False})
+        await send({"type": "http.response.body", "body": out + sse.flush(), "more_body": False})
         return sse.usage
 
     def _verify(

@@ -5,13 +5,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Gauge
 
+from router.lite_metrics import LiteCounter as Counter
+from router.lite_metrics import LiteHistogram as Histogram
 from router.tokenize.prefix_cache import CacheStats
 
 
 class TokenizeMetrics:
-    """All series of one `Tokenizers`; `model` labels are configured names or "_default"."""
+    """All series of one `Tokenizers`; `model` labels are configured names or "_default".
+
+    Counters and histograms are router.lite_metrics' (no lock per update: they are updated
+    once or twice per proxied request); the gauges are read at scrape time."""
 
     def __init__(self, registry: CollectorRegistry | None) -> None:
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
@@ -78,8 +83,7 @@ class TokenizeMetrics:
         )
 
     def child(self, metric: Any, *values: str) -> Any:
-        """`metric.labels(*values)`, cached (prometheus-client's lookup costs microseconds
-        per request)."""
+        """`metric.labels(*values)`, cached."""
         key = (id(metric), values)
         found = self._children.get(key)
         if found is None:

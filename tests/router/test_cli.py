@@ -120,3 +120,11 @@ def test_router_overhead_bench_smoke(tmp_path: Path) -> None:
     assert isinstance(cells, list) and len(cells) == 4
     decision = data["decision"]
     assert isinstance(decision, dict) and decision["chosen"] == decision["expected"]
+    paced = data["paced"]
+    assert isinstance(paced, dict)
+    for mode in ("staggered", "synchronized"):
+        cell = paced[mode]
+        assert cell["router"]["first_median_ms"] > 0 and cell["direct"]["total_median_ms"] > 0
+        assert "added_total_median_ms" in cell and cell["router_cpu_us_per_req"] > 0
+    md = (tmp_path / "router_overhead_bench_smoke.md").read_text()
+    assert "**Target: <= 1 ms added at the median with 64 concurrent streams: " in md

@@ -513,3 +513,48 @@ def test_requests_that_skip_the_prefix_cache_predict_no_reuse() -> None:
             assert r.parts.decisions.recent(1)[0].decision.reason == "cache"
 
     run(go())
+
+
+def test_stream_end_goes_out_with_the_last_event() -> None:
+    """Once the upstream answer is complete, the last event and the end of the body are one
+    ASGI message (one write to the client), never an empty closing message after it; what the
+    client receives is unchanged."""
+
+    async def go() -> None:
+        async with rig(1) as r:
+            req = {**CHAT, "stream": True}
+            raw = json.dumps(req).encode()
+            scope = {
+                "type": "http",
+                "method": "POST",
+                "path": "/v1/chat/completions",
+                "headers": [(b"content-type", b"application/json")],
+            }
+            messages = [{"type": "http.request", "body": raw, "more_body": False}]
+            finished = asyncio.Event()
+
+            async def receive() -> dict[str, Any]:
+                if messages:
+                    return messages.pop()
+                await finished.wait()
+                return {"type": "http.disconnect"}
+
+            sent: list[dict[str, Any]] = []
+
+            async def send(message: dict[str, Any]) -> None:
+                sent.append(message)
+
+            await r.parts.proxy.handle("/v1/chat/completions", scope, receive, send)
+            finished.set()
+            assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 200
+            bodies = sent[1:]
+            assert [m.get("more_body", False) for m in bodies] == [True] * (len(bodies) - 1) + [
+                False
+            ]
+            assert bodies[-1]["body"].endswith(b"data: [DONE]\n\n")
+            assert all(m["body"] for m in bodies)
+            async with httpx.AsyncClient() as c:
+                direct = await c.post(r.engine_urls["w0"] + "/v1/chat/completions", json=req)
+            assert b"".join(m["body"] for m in bodies) == direct.content
+
+    run(go())

@@ -35,10 +35,11 @@ def key_of(block_hash: bytes) -> Key:
 def keys_of(hashes: Iterable[bytes]) -> array[int] | list[Key]:
     """Keys of a run of hashes: an array('Q') if all are 8 bytes (the usual case)."""
     items = hashes if isinstance(hashes, list) else list(hashes)
-    if items and min(map(len, items)) == 8 == max(map(len, items)):
-        packed = array("Q")
-        packed.frombytes(b"".join(items))
-        return packed
+    joined = b"".join(items)
+    count = len(items)
+    # Total 8 per hash and none shorter: all have 8 bytes.
+    if count and len(joined) == 8 * count and (count == 1 or min(map(len, items)) == 8):
+        return array("Q", joined)
     return [key_of(block_hash) for block_hash in items]
 
 
@@ -127,11 +128,13 @@ class CopyTable:
             keys[probe] = 0
             index = probe
 
-    def add(self, keys: Iterable[Key], slot: int) -> None:
+    def add(self, keys: array[int] | list[Key], slot: int) -> None:
         """One more copy of each key (repeats add several), held by `slot`."""
-        table = self._keys
+        while self._used + len(keys) > self._limit:
+            self._grow()
+        table, slots, cap = self._keys, self._slots, self._cap
         for key in keys:
-            if not isinstance(key, int) or key == 0:
+            if not key or not isinstance(key, int):
                 held = self.other.get(key)
                 if held is None:
                     self.other[key] = slot
@@ -140,25 +143,21 @@ class CopyTable:
                 else:
                     self.other[key] = [held, slot]
                 continue
-            if self._used >= self._limit:
-                self._grow()
-                table = self._keys
-            cap = self._cap
             index = key % cap
             while True:
                 found = table[index]
                 if found == 0:
                     table[index] = key
-                    self._slots[index] = slot
+                    slots[index] = slot
                     self._used += 1
                     break
                 if found == key:
-                    held_slot = self._slots[index]
+                    held_slot = slots[index]
                     if held_slot == MULTI:
                         self.multi[key].append(slot)
                     else:
                         self.multi[key] = [held_slot, slot]
-                        self._slots[index] = MULTI
+                        slots[index] = MULTI
                     break
                 index += 1
                 if index == cap:

@@ -307,13 +307,15 @@ class EngineState:
         block_size = event.block_size
         dense = len(event.token_ids) == len(hashes) * block_size
         parent = event.parent_block_hash
-        parent = scratch.parents.setdefault(parent, parent)
-        parent_key = key_of(parent)
+        if parent:
+            parent = scratch.parents.setdefault(parent, parent)
+        parent_key = key_of(parent) if dense and parent else None
         tails = self._tails.setdefault(group, {})
-        record = tails.get(parent_key) if dense and parent and not event.cache_salt else None
+        record = tails.get(parent_key) if parent_key is not None and not event.cache_salt else None
         if not dense:
             record = self._new_sparse(event, meta, parent, hashes, scratch)
         elif record is not None and record.meta is meta:
+            assert parent_key is not None
             del tails[parent_key]
             if isinstance(record.hashes, array) and isinstance(hashes, array):
                 record.hashes.extend(hashes)
@@ -331,7 +333,7 @@ class EngineState:
             record = self._add_record(
                 _Record(meta, event.cache_salt, parent, hashes, tokens, width, True)
             )
-            if parent:
+            if parent_key is not None:
                 self._pin(record, self._placer(parent_key, group))
             self._offer_span(scratch, record, 0)
         if dense:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import sys
 from array import array
 from collections.abc import Iterable
+from itertools import compress
 from typing import Final
 
 Key = int | bytes
@@ -92,7 +93,7 @@ class CopyTable:
                 index = 0
 
     def _grow(self) -> None:
-        old = [(k, s) for k, s in zip(self._keys, self._slots, strict=True) if k]
+        old = list(compress(zip(self._keys, self._slots, strict=True), self._keys))
         self._alloc(self._cap * 2 + 1)
         keys, slots, cap = self._keys, self._slots, self._cap
         for key, slot in old:
@@ -132,36 +133,59 @@ class CopyTable:
         """One more copy of each key (repeats add several), held by `slot`."""
         while self._used + len(keys) > self._limit:
             self._grow()
-        table, slots, cap = self._keys, self._slots, self._cap
-        for key in keys:
-            if not key or not isinstance(key, int):
-                held = self.other.get(key)
-                if held is None:
-                    self.other[key] = slot
-                elif isinstance(held, list):
-                    held.append(slot)
-                else:
-                    self.other[key] = [held, slot]
-                continue
+        if not isinstance(keys, array) or 0 in keys:
+            for key in keys:
+                self._add_one(key, slot)
+            return
+        table, slots, cap, used = self._keys, self._slots, self._cap, self._used
+        for key in keys:  # the usual case: nonzero 8-byte keys, mostly new
             index = key % cap
-            while True:
-                found = table[index]
-                if found == 0:
-                    table[index] = key
-                    slots[index] = slot
-                    self._used += 1
-                    break
-                if found == key:
-                    held_slot = slots[index]
-                    if held_slot == MULTI:
-                        self.multi[key].append(slot)
-                    else:
-                        self.multi[key] = [held_slot, slot]
-                        slots[index] = MULTI
-                    break
+            found = table[index]
+            while found != 0 and found != key:
                 index += 1
                 if index == cap:
                     index = 0
+                found = table[index]
+            if found == 0:
+                table[index] = key
+                slots[index] = slot
+                used += 1
+            else:  # another copy of a key held
+                self._used = used
+                self._add_one(key, slot)
+                table, slots, cap, used = self._keys, self._slots, self._cap, self._used
+        self._used = used
+
+    def _add_one(self, key: Key, slot: int) -> None:
+        if not key or not isinstance(key, int):
+            held = self.other.get(key)
+            if held is None:
+                self.other[key] = slot
+            elif isinstance(held, list):
+                held.append(slot)
+            else:
+                self.other[key] = [held, slot]
+            return
+        if self._used >= self._limit:
+            self._grow()
+        index = self._find(key)
+        if index < 0:
+            table, cap = self._keys, self._cap
+            index = key % cap
+            while table[index]:
+                index += 1
+                if index == cap:
+                    index = 0
+            table[index] = key
+            self._slots[index] = slot
+            self._used += 1
+            return
+        held_slot = self._slots[index]
+        if held_slot == MULTI:
+            self.multi[key].append(slot)
+        else:
+            self.multi[key] = [held_slot, slot]
+            self._slots[index] = MULTI
 
     def holders(self, key: Key) -> list[int]:
         """Slots holding copies of `key`, oldest copy first ([] if none)."""

@@ -11,6 +11,9 @@ where a dict entry plus its key object costs about 90. Keys with more than one c
 their slots in `multi` (the array holds MULTI for them); the key 0 and bytes keys go to
 the plain dict `other`. Copy order: `pop` withdraws the newest copy; `discard` one held
 by a given slot (the oldest of that slot's).
+
+Growing (doubling, at 3/4 full) re-inserts every key in Python: a pause of about 1.2 s at
+1.5M keys of one group on one core, once per doubling (a dict resizes in C, ~0.1 s).
 """
 
 from __future__ import annotations

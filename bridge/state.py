@@ -24,6 +24,14 @@ last one goes. The snapshot sends, in `lineage`, the whole dense records that pl
 runs nothing in `events` places (position-only: they add no copies). A parent the state
 never saw cached stays unknown (the run waits in a fresh view, as in a live one).
 
+Representation (millions of blocks: about 60-110 bytes each, `bench.bridge_bench`): hashes
+are held as keys (bridge.copy_table: an 8-byte hash as a 64-bit int), a record's in an
+array('Q') (8 bytes a block; a list only for other lengths), its tokens packed 2-4 bytes
+each (bridge.packed_tokens); records are named by reusable slots, and each group's
+attribution is a `CopyTable`, an open-addressing table of key -> slot arrays (12 bytes a
+slot) instead of a dict of bytes objects. Copies, order and snapshots are as they were with
+dicts (tests/bridge/test_bridge_state_model.py checks it against that implementation).
+
 Bounds: `max_blocks` live copies (beyond it the oldest records are dropped and counted: a
 late subscriber then sees less than the engine holds, never more), `max_lineage_blocks`
 blocks kept as lineage only (beyond it the oldest lineage is dropped and counted: runs

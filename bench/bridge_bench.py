@@ -2,6 +2,8 @@
 
     python -m bench.bridge_bench            # full run (about a minute)
     python -m bench.bridge_bench --smoke    # seconds; same code paths
+    python -m bench.bridge_bench --baseline main   # also bridge/state.py of a git ref,
+                                                   # interleaved, printed side by side
 
 Prints a table and writes bench/results/bridge.json. Workloads use 16-token blocks, random
 64-bit hashes (vLLM's int mode) and vLLM 0.33 wire payloads unless said otherwise:
@@ -18,10 +20,15 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import json
 import os
 import platform
 import random
+import statistics
+import subprocess
+import sys
+import tempfile
 import time
 import tracemalloc
 from collections.abc import Callable
@@ -120,7 +127,29 @@ def _timed(fn: Callable[[], None], min_seconds: float) -> tuple[float, int]:
             return elapsed, rounds
 
 
-def throughput(workload: str, batches: int, min_seconds: float) -> dict[str, Any]:
+def baseline_state(ref: str) -> type[EngineState]:
+    """`EngineState` of bridge/state.py at git ref `ref` (its other imports: this tree's)."""
+    root = Path(__file__).resolve().parent.parent
+    source = subprocess.run(
+        ["git", "-C", str(root), "show", f"{ref}:bridge/state.py"],
+        check=True,
+        capture_output=True,
+    ).stdout
+    with tempfile.NamedTemporaryFile(suffix=".py", delete=False) as file:
+        file.write(source)
+    spec = importlib.util.spec_from_file_location("baseline_state", file.name)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    os.unlink(file.name)
+    state: type[EngineState] = module.EngineState
+    return state
+
+
+def throughput(
+    workload: str, batches: int, min_seconds: float, state_type: type[EngineState] = EngineState
+) -> dict[str, Any]:
     """Stored blocks per second: decode+convert, and the whole per-batch path of the bridge
     (decode, convert, apply to the snapshot state, serialize the response once)."""
     payloads, blocks = make_payloads(workload, batches)
@@ -131,7 +160,7 @@ def throughput(workload: str, batches: int, min_seconds: float) -> dict[str, Any
             convert_batch(decoder.decode(payload), seq, dp_rank=0, stats=stats)
 
     def full_path() -> None:
-        state = EngineState(max_blocks=10**9)
+        state = state_type(max_blocks=10**9)
         for seq, payload in enumerate(payloads):
             batch = state.apply(convert_batch(decoder.decode(payload), seq, dp_rank=0))
             SubscribeResponse(batch=batch).SerializeToString()
@@ -148,7 +177,9 @@ def throughput(workload: str, batches: int, min_seconds: float) -> dict[str, Any
     }
 
 
-def memory(workload: str, batches: int, vocab: int) -> dict[str, Any]:
+def memory(
+    workload: str, batches: int, vocab: int, state_type: type[EngineState] = EngineState
+) -> dict[str, Any]:
     """Bytes per stored block held by the snapshot state (tracemalloc), and the cost of
     building a snapshot of it."""
     payloads, _ = make_payloads(workload, batches, vocab=vocab, seed=1)
@@ -158,7 +189,7 @@ def memory(workload: str, batches: int, vocab: int) -> dict[str, Any]:
     ]
     gc.collect()
     tracemalloc.start()
-    state = EngineState(max_blocks=10**9)
+    state = state_type(max_blocks=10**9)
     base = tracemalloc.get_traced_memory()[0]
     for batch in converted:
         state.apply(batch)
@@ -183,7 +214,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, runs in seconds")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--baseline",
+        metavar="GIT_REF",
+        help="also measure bridge/state.py of this ref, interleaved (before/after)",
+    )
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="throughput runs per case; medians reported"
+    )
     args = parser.parse_args(argv)
+    if args.baseline:
+        return compare(args)
     batches, seconds = (40, 0.2) if args.smoke else (400, 3.0)
     mem_batches = 60 if args.smoke else 3_000
     rates = [
@@ -229,6 +270,73 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"\nwrote {args.out}")
+    return 0
+
+
+def compare(args: argparse.Namespace) -> int:
+    """Before (`--baseline` ref) and after (this tree), interleaved in one run: medians."""
+    before_type = baseline_state(args.baseline)
+    batches, seconds = (40, 0.2) if args.smoke else (400, 3.0)
+    mem_batches = 60 if args.smoke else 3_000
+    sizes = [mem_batches, mem_batches * 2 // 3] if not args.smoke else [mem_batches]
+    mems: list[dict[str, Any]] = []
+    for workload, vocab in (
+        ("prefill", 150_000),
+        ("prefill", 32_000),
+        ("hybrid", 150_000),
+        ("decode", 150_000),
+    ):
+        for size in sizes:
+            count = size if workload != "decode" else size * 32
+            before = memory(workload, count, vocab, before_type)
+            after = memory(workload, count, vocab, EngineState)
+            mems.append({"workload": workload, "vocab": vocab, "before": before, "after": after})
+    rates: list[dict[str, Any]] = []
+    for workload in ("prefill", "hybrid", "decode", "decode-8", "prefill-0.23"):
+        n = batches if workload != "decode" else batches * 8
+        runs: dict[str, list[dict[str, Any]]] = {"before": [], "after": []}
+        for _ in range(args.repeat):
+            for key, state_type in (("before", before_type), ("after", EngineState)):
+                runs[key].append(throughput(workload, n, seconds, state_type))
+        rates.append(
+            {
+                "workload": workload,
+                **{
+                    key: {
+                        field: statistics.median(r[field] for r in results)
+                        for field in ("decode_convert_blocks_per_s", "full_path_blocks_per_s")
+                    }
+                    for key, results in runs.items()
+                },
+            }
+        )
+    print(f"load average: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (shared machine)")
+    print(f"before = bridge/state.py at {args.baseline}; after = this tree\n")
+    print(f"{'workload':<10}{'vocab':>8}{'blocks':>8}{'B/block before':>16}{'after':>8}"
+          f"{'snapshot s before':>19}{'after':>7}")  # fmt: skip
+    for m in mems:
+        b, a = m["before"], m["after"]
+        print(
+            f"{m['workload']:<10}{m['vocab']:>8}{a['stored_blocks']:>8}"
+            f"{b['bytes_per_block']:>16}{a['bytes_per_block']:>8}"
+            f"{b['snapshot_build_s']:>19}{a['snapshot_build_s']:>7}"
+        )
+    print(f"\nmedian of {args.repeat} runs, blocks/s")
+    print(f"{'workload':<14}{'decode+convert before':>22}{'after':>11}"
+          f"{'full path before':>18}{'after':>10}")  # fmt: skip
+    for r in rates:
+        b, a = r["before"], r["after"]
+        print(
+            f"{r['workload']:<14}{b['decode_convert_blocks_per_s']:>22,.0f}"
+            f"{a['decode_convert_blocks_per_s']:>11,.0f}"
+            f"{b['full_path_blocks_per_s']:>18,.0f}{a['full_path_blocks_per_s']:>10,.0f}"
+        )
+    if args.out != RESULTS:
+        result = {"benchmark": "bridge-compare", "baseline": args.baseline, "smoke": args.smoke,
+                  "repeat": args.repeat, "memory": mems, "throughput": rates}  # fmt: skip
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"\nwrote {args.out}")
     return 0
 
 

@@ -24,6 +24,14 @@ last one goes. The snapshot sends, in `lineage`, the whole dense records that pl
 runs nothing in `events` places (position-only: they add no copies). A parent the state
 never saw cached stays unknown (the run waits in a fresh view, as in a live one).
 
+Representation (millions of blocks: about 60-110 bytes each, `bench.bridge_bench`): hashes
+are held as keys (bridge.copy_table: an 8-byte hash as a 64-bit int), a record's in an
+array('Q') (8 bytes a block; a list only for other lengths), its tokens packed 2-4 bytes
+each (bridge.packed_tokens); records are named by reusable slots, and each group's
+attribution is a `CopyTable`, an open-addressing table of key -> slot arrays (12 bytes a
+slot) instead of a dict of bytes objects. Copies, order and snapshots are as they were with
+dicts (tests/bridge/test_bridge_state_model.py checks it against that implementation).
+
 Bounds: `max_blocks` live copies (beyond it the oldest records are dropped and counted: a
 late subscriber then sees less than the engine holds, never more), `max_lineage_blocks`
 blocks kept as lineage only (beyond it the oldest lineage is dropped and counted: runs
@@ -32,10 +40,12 @@ below it are then unplaced in a snapshot, a lower answer) and `max_groups` group
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterable
-from typing import Any, Final
+from typing import Any, Final, TypeAlias
 
 from bridge import packed_tokens
+from bridge.copy_table import MAX_SLOT, CopyTable, Key, hash_of, hashes_of, key_of, keys_of
 from proto.events_pb2 import KvEventBatch, KvGroupEvent, Snapshot
 
 STORE: Final = KvGroupEvent.STORE
@@ -65,6 +75,9 @@ class _Meta:
         self.unmatchable = unmatchable
 
 
+_Keys: TypeAlias = "array[int] | list[Key]"  # a record's block keys (bridge.copy_table), in order
+
+
 class _Record:
     """One STORE (or a dense chain of them): its blocks, parent and token span."""
 
@@ -72,11 +85,11 @@ class _Record:
         "dense",
         "down",
         "hashes",
-        "key",
         "live",
         "meta",
         "parent",
         "salt",
+        "slot",
         "span",
         "tokens",
         "up",
@@ -88,7 +101,7 @@ class _Record:
         meta: _Meta,
         salt: str,
         parent: bytes,
-        hashes: list[bytes],
+        hashes: _Keys,
         tokens: bytes | bytearray,
         width: int,
         dense: bool,
@@ -96,7 +109,7 @@ class _Record:
         self.meta = meta
         self.salt = salt
         self.parent = parent
-        self.hashes = hashes
+        self.hashes = hashes  # block keys: an array('Q') when all hashes have 8 bytes
         self.tokens = tokens  # packed (bridge.packed_tokens), possibly shared
         self.width = width
         # Token range [start, stop) of `tokens` that is this record's span; None = all of it
@@ -104,15 +117,15 @@ class _Record:
         self.span: tuple[int, int] | None = None
         self.dense = dense
         self.live = 0
-        self.key = 0  # position in the state's arrival order; -1 once dropped
+        self.slot = 0  # its name in the copy tables and `_records`; -1 once released
         # The record that places this one's parent (sparse: its hashes), and how many kept
         # records point here: a record without live copies is kept while down > 0.
         self.up: _Record | None = None
         self.down = 0
 
 
-# (record, first block, stop block, live hashes): one run of a snapshot.
-_Run = tuple[_Record, int, int, list[bytes]]
+# (record, first block, stop block, live keys): one run of a snapshot.
+_Run: TypeAlias = "tuple[_Record, int, int, _Keys]"
 
 
 class _Group:
@@ -139,10 +152,10 @@ class StateStats:
 class _BatchScratch:
     """Per-batch sharing: the groups of one step report the same spans and hashes."""
 
-    __slots__ = ("hashes", "spans")
+    __slots__ = ("parents", "spans")
 
     def __init__(self) -> None:
-        self.hashes: dict[bytes, bytes] = {}
+        self.parents: dict[bytes, bytes] = {}
         # packed span (and width) of a dense store -> (its record, first token)
         self.spans: dict[tuple[bytes, int], tuple[_Record, int]] = {}
 
@@ -168,13 +181,16 @@ class EngineState:
         self.last_sequence: int | None = None
         self._groups: dict[int, _Group] = {}
         self._meta: dict[tuple[int, int, str, int, str, bool], _Meta] = {}
-        self._records: dict[int, _Record] = {}  # arrival order (a dict keeps it, deletes O(1))
-        self._next_id = 0
-        # group -> hash -> holder: a record, or a list of records (one entry per copy)
-        self._copies: dict[int, dict[bytes, Any]] = {}
-        # group -> last hash of a dense record -> that record (for appending chains)
-        self._tails: dict[int, dict[bytes, _Record]] = {}
-        # Records without live copies kept for a kept record's lineage, oldest first.
+        # slot -> record with live copies, in arrival order (a dict keeps it, deletes O(1);
+        # a record appended to moves to the end)
+        self._records: dict[int, _Record] = {}
+        self._next_slot = 0
+        self._free_slots: list[int] = []  # slots of released records, for reuse
+        # group -> key -> the slots of the records holding its copies (one per copy)
+        self._copies: dict[int, CopyTable] = {}
+        # group -> last key of a dense record -> that record (for appending chains)
+        self._tails: dict[int, dict[Key, _Record]] = {}
+        # slot -> record without live copies kept for a kept record's lineage, oldest first.
         self._lineage: dict[int, _Record] = {}
         self.blocks = 0  # live copies
         self.lineage_blocks = 0  # blocks of the records in _lineage
@@ -188,10 +204,8 @@ class EngineState:
 
     def copies(self, group: int, block_hash: bytes) -> int:
         """How many copies of (group, hash) the engine holds."""
-        holder = self._copies.get(group, {}).get(block_hash)
-        if holder is None:
-            return 0
-        return len(holder) if isinstance(holder, list) else 1
+        table = self._copies.get(group)
+        return 0 if table is None else table.count(key_of(block_hash))
 
     @property
     def records(self) -> int:
@@ -207,6 +221,8 @@ class EngineState:
 
     def _clear_blocks(self) -> None:
         self._records.clear()
+        self._next_slot = 0
+        self._free_slots.clear()
         self._copies.clear()
         self._tails.clear()
         self._meta.clear()
@@ -291,7 +307,7 @@ class EngineState:
         return meta
 
     def _store(self, event: KvGroupEvent, scratch: _BatchScratch) -> None:
-        hashes = list(event.block_hashes)
+        hashes = keys_of(event.block_hashes)
         if not hashes:
             return
         group = event.group_id
@@ -299,19 +315,20 @@ class EngineState:
         block_size = event.block_size
         dense = len(event.token_ids) == len(hashes) * block_size
         parent = event.parent_block_hash
+        if parent:
+            parent = scratch.parents.setdefault(parent, parent)
+        parent_key = key_of(parent) if dense and parent else None
         tails = self._tails.setdefault(group, {})
-        shared = scratch.hashes
-        if dense:
-            for block_hash in hashes:
-                shared.setdefault(block_hash, block_hash)
-        else:
-            hashes = [shared.get(block_hash, block_hash) for block_hash in hashes]
-        record = tails.get(parent) if dense and parent and not event.cache_salt else None
+        record = tails.get(parent_key) if parent_key is not None and not event.cache_salt else None
         if not dense:
             record = self._new_sparse(event, meta, parent, hashes, scratch)
         elif record is not None and record.meta is meta:
-            del tails[parent]
-            record.hashes.extend(hashes)
+            assert parent_key is not None
+            del tails[parent_key]
+            if isinstance(record.hashes, array) and isinstance(hashes, array):
+                record.hashes.extend(hashes)
+            else:
+                record.hashes = [*record.hashes, *hashes]
             assert isinstance(record.tokens, bytearray)
             first = packed_tokens.count(record.tokens, record.width)
             record.tokens, record.width = packed_tokens.append(
@@ -324,29 +341,29 @@ class EngineState:
             record = self._add_record(
                 _Record(meta, event.cache_salt, parent, hashes, tokens, width, True)
             )
-            if parent:
-                self._pin(record, self._placer(parent, group))
+            if parent_key is not None:
+                self._pin(record, self._placer(parent_key, group))
             self._offer_span(scratch, record, 0)
         if dense:
             tails[hashes[-1]] = record
-        copies = self._copies.setdefault(group, {})
-        for block_hash in hashes:
-            holder = copies.get(block_hash)
-            if holder is None:
-                copies[block_hash] = record
-            elif isinstance(holder, list):
-                holder.append(record)
-            else:
-                copies[block_hash] = [holder, record]
+        copies = self._copies.get(group)
+        if copies is None:
+            copies = self._copies[group] = CopyTable()
+        copies.add(hashes, record.slot)
         record.live += len(hashes)
         self.blocks += len(hashes)
         if self.blocks > self.max_blocks:
             self._evict_oldest()
 
     def _add_record(self, record: _Record) -> _Record:
-        record.key = self._next_id
-        self._records[record.key] = record
-        self._next_id += 1
+        if self._free_slots:
+            record.slot = self._free_slots.pop()
+        else:
+            if self._next_slot > MAX_SLOT:  # more records than a copy table can name
+                raise OverflowError("too many records")
+            record.slot = self._next_slot
+            self._next_slot += 1
+        self._records[record.slot] = record
         return record
 
     @staticmethod
@@ -356,19 +373,19 @@ class EngineState:
         key = (bytes(tokens[first * record.width :]), record.width)
         scratch.spans.setdefault(key, (record, first))
 
-    def _placer(self, block_hash: bytes, group: int) -> _Record | None:
-        """The record that places `block_hash`: a dense record holding it (its own group's
+    def _placer(self, block_key: Key, group: int) -> _Record | None:
+        """The record that places `block_key`: a dense record holding it (its own group's
         first), else a sparse holder (placed through its own `up`), else None."""
         sparse: _Record | None = None
         for gid in (group, *(g for g in self._copies if g != group)):
-            tail = self._tails.get(gid, {}).get(block_hash)
+            tail = self._tails.get(gid, {}).get(block_key)
             if tail is not None:
                 return tail
-            holder = self._copies.get(gid, {}).get(block_hash)
-            if holder is None:
+            table = self._copies.get(gid)
+            if table is None:
                 continue
-            holders: list[_Record] = holder if isinstance(holder, list) else [holder]
-            for record in holders:
+            for slot in table.holders(block_key):
+                record = self._records[slot]
                 if record.dense:
                     return record
                 sparse = sparse or record
@@ -385,7 +402,7 @@ class EngineState:
         event: KvGroupEvent,
         meta: _Meta,
         parent: bytes,
-        hashes: list[bytes],
+        hashes: _Keys,
         scratch: _BatchScratch,
     ) -> _Record:
         tokens, width = packed_tokens.pack(event.token_ids)
@@ -401,26 +418,17 @@ class EngineState:
         return self._add_record(record)
 
     def _touch(self, record: _Record) -> None:
-        del self._records[record.key]
-        record.key = self._next_id
-        self._records[record.key] = record
-        self._next_id += 1
+        del self._records[record.slot]
+        self._records[record.slot] = record  # now the newest
 
     def _remove(self, group: int, hashes: Iterable[bytes]) -> None:
         copies = self._copies.get(group)
         for block_hash in hashes:
-            holder = None if copies is None else copies.get(block_hash)
-            if holder is None:
+            slot = None if copies is None else copies.pop(key_of(block_hash))
+            if slot is None:
                 self.stats.unknown_removes += 1
                 continue
-            assert copies is not None
-            if isinstance(holder, list):
-                record = holder.pop()
-                if len(holder) == 1:
-                    copies[block_hash] = holder[0]
-            else:
-                record = holder
-                del copies[block_hash]
+            record = self._records[slot]
             self.blocks -= 1
             record.live -= 1
             if record.live == 0:
@@ -428,12 +436,12 @@ class EngineState:
 
     def _drop(self, record: _Record) -> None:
         """The record's last live copy went: keep it as lineage if a kept record needs it."""
-        del self._records[record.key]
+        del self._records[record.slot]
         tails = self._tails.get(record.meta.group)
         if tails is not None and record.dense and tails.get(record.hashes[-1]) is record:
             del tails[record.hashes[-1]]
         if record.down > 0:
-            self._lineage[record.key] = record
+            self._lineage[record.slot] = record
             self.lineage_blocks += len(record.hashes)
             if self.lineage_blocks > self.max_lineage_blocks:
                 self._evict_lineage()
@@ -444,14 +452,15 @@ class EngineState:
         """Forget a record; the lineage records it alone kept go too (iteratively)."""
         current: _Record | None = record
         while current is not None:
-            current.key = -1
+            self._free_slots.append(current.slot)
+            current.slot = -1
             up, current.up = current.up, None
             current = None
             if up is None:
                 continue
             up.down -= 1
-            if up.down == 0 and self._lineage.get(up.key) is up:
-                del self._lineage[up.key]
+            if up.down == 0 and self._lineage.get(up.slot) is up:
+                del self._lineage[up.slot]
                 self.lineage_blocks -= len(up.hashes)
                 current = up
 
@@ -461,11 +470,11 @@ class EngineState:
         keep = self.max_lineage_blocks - self.max_lineage_blocks // 8
         while self.lineage_blocks > keep and self._lineage:
             record = next(iter(self._lineage.values()))
-            del self._lineage[record.key]
+            del self._lineage[record.slot]
             self.lineage_blocks -= len(record.hashes)
             self.stats.evicted_lineage_blocks += len(record.hashes)
             # Records below keep pointing here: free the content, mark it dropped.
-            record.hashes = []
+            record.hashes = array("Q")
             record.tokens = b""
             self._release(record)
 
@@ -473,15 +482,8 @@ class EngineState:
         while self.blocks > self.max_blocks and self._records:
             record = next(iter(self._records.values()))
             copies = self._copies[record.meta.group]
-            for block_hash in record.hashes:
-                holder = copies.get(block_hash)
-                if holder is record:
-                    del copies[block_hash]
-                elif isinstance(holder, list) and record in holder:
-                    holder.remove(record)
-                    if len(holder) == 1:
-                        copies[block_hash] = holder[0]
-                else:
+            for block_key in record.hashes:
+                if not copies.discard(block_key, record.slot):
                     continue
                 self.blocks -= 1
                 self.stats.evicted_blocks += 1
@@ -515,7 +517,7 @@ class EngineState:
             snap.lineage.add(
                 operation=STORE,
                 group_id=meta.group,
-                block_hashes=record.hashes,
+                block_hashes=hashes_of(record.hashes),
                 parent_block_hash=record.parent,
                 token_ids=packed_tokens.unpack(
                     record.tokens, record.width, 0, len(record.hashes) * meta.block_size
@@ -535,7 +537,7 @@ class EngineState:
                 tokens: Any = packed_tokens.unpack(
                     record.tokens, record.width, start * bs, stop * bs
                 )
-                parent = record.parent if start == 0 else record.hashes[start - 1]
+                parent = record.parent if start == 0 else hash_of(record.hashes[start - 1])
                 salt = record.salt if start == 0 else ""
             else:
                 start_token, stop_token = record.span or (0, None)
@@ -546,7 +548,7 @@ class EngineState:
             out.add(
                 operation=STORE,
                 group_id=meta.group,
-                block_hashes=hashes,
+                block_hashes=hashes_of(hashes),
                 parent_block_hash=parent,
                 token_ids=tokens,
                 block_size=meta.block_size,
@@ -566,23 +568,17 @@ class EngineState:
             if record.live == len(record.hashes) and not _has_repeats(record):
                 runs.append((record, 0, len(record.hashes), record.hashes))
                 continue
-            owned: dict[bytes, int] = {}
+            owned: dict[Key, int] = {}
             mask: list[bool] = []
-            for block_hash in record.hashes:
-                if block_hash not in owned:
-                    holder = copies.get(block_hash)
-                    if holder is record:
-                        owned[block_hash] = 1
-                    elif isinstance(holder, list):
-                        owned[block_hash] = sum(1 for r in holder if r is record)
-                    else:
-                        owned[block_hash] = 0
-                left = owned[block_hash]
+            for block_key in record.hashes:
+                if block_key not in owned:
+                    owned[block_key] = copies.holders(block_key).count(record.slot)
+                left = owned[block_key]
                 mask.append(left > 0)
                 if left:
-                    owned[block_hash] = left - 1
+                    owned[block_key] = left - 1
             if not record.dense:
-                live = [h for h, keep in zip(record.hashes, mask, strict=True) if keep]
+                live: _Keys = [h for h, keep in zip(record.hashes, mask, strict=True) if keep]
                 if live:
                     runs.append((record, 0, len(record.hashes), live))
                 continue
@@ -601,9 +597,16 @@ def _has_repeats(record: _Record) -> bool:
     return len(record.hashes) > 1 and len(set(record.hashes)) != len(record.hashes)
 
 
-def _defines(runs: list[_Run]) -> dict[bytes, int]:
-    """Block hash -> the first dense run (index in `runs`) that places it."""
-    defines: dict[bytes, int] = {}
+def _run_parent(record: _Record, start: int) -> Key | None:
+    """The key of the parent of a run starting at block `start` of `record` (None: none)."""
+    if start:
+        return record.hashes[start - 1]
+    return key_of(record.parent) if record.parent else None
+
+
+def _defines(runs: list[_Run]) -> dict[Key, int]:
+    """Block key -> the first dense run (index in `runs`) that places it."""
+    defines: dict[Key, int] = {}
     for position, (record, _, _, hashes) in enumerate(runs):
         if record.dense:
             for block_hash in hashes:
@@ -611,7 +614,7 @@ def _defines(runs: list[_Run]) -> dict[bytes, int]:
     return defines
 
 
-def _lineage_for(runs: list[_Run], defines: dict[bytes, int]) -> list[_Record]:
+def _lineage_for(runs: list[_Run], defines: dict[Key, int]) -> list[_Record]:
     """The dense records, parents first, that place the runs no dense run places: a dense
     run whose parent none places (mid-record: its own record; else the parent's placer),
     a sparse run with a hash none places (its hashes' placer), and their ancestors up to
@@ -620,8 +623,8 @@ def _lineage_for(runs: list[_Run], defines: dict[bytes, int]) -> list[_Record]:
     seen: set[int] = set()
     for record, start, _, hashes in runs:
         if record.dense:
-            parent = record.parent if start == 0 else record.hashes[start - 1]
-            if not parent or parent in defines:
+            parent = _run_parent(record, start)
+            if parent is None or parent in defines:
                 continue
             need = record if start else record.up
         elif all(block_hash in defines for block_hash in hashes):
@@ -631,7 +634,7 @@ def _lineage_for(runs: list[_Run], defines: dict[bytes, int]) -> list[_Record]:
         # Each lineage chain is whole down from token 0 (or from lineage sent already), so
         # a subscriber places it before it reads `events`.
         chain: list[_Record] = []
-        while need is not None and need.key >= 0 and id(need) not in seen:
+        while need is not None and need.slot >= 0 and id(need) not in seen:
             seen.add(id(need))
             if need.dense and need.hashes:
                 chain.append(need)
@@ -642,7 +645,7 @@ def _lineage_for(runs: list[_Run], defines: dict[bytes, int]) -> list[_Record]:
     return out
 
 
-def _parents_first(runs: list[_Run], defines: dict[bytes, int]) -> list[_Run]:
+def _parents_first(runs: list[_Run], defines: dict[Key, int]) -> list[_Run]:
     """Reorder runs so that a dense run defining a block's position precedes its children."""
     ordered: list[_Run] = []
     done = [False] * len(runs)
@@ -654,8 +657,8 @@ def _parents_first(runs: list[_Run], defines: dict[bytes, int]) -> list[_Run]:
             done[index] = True
             chain.append(index)
             record, start, _, _ = runs[index]
-            parent = record.parent if start == 0 else record.hashes[start - 1]
-            index = defines.get(parent) if parent else None
+            parent = _run_parent(record, start)
+            index = None if parent is None else defines.get(parent)
         ordered.extend(runs[i] for i in reversed(chain))
     return ordered
 

@@ -14,13 +14,13 @@ import os
 from collections import Counter
 from typing import Any
 
+from dict_state_reference import EngineState as ReferenceState
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bridge.copy_table import CopyTable, Key, hash_of, hashes_of, key_of, keys_of
 from bridge.state import EngineState
 from proto.events_pb2 import KvEventBatch, KvGroupEvent
-from tests.bridge.dict_state_reference import EngineState as ReferenceState
 
 STORE, REMOVE, CLEAR, INVALID = (
     KvGroupEvent.STORE,

@@ -257,13 +257,22 @@ class FleetIndex:
         self.expect_keys(worker_id, keys, len(token_ids), expires_at)
 
     def expect_keys(
-        self, worker_id: str, keys: Sequence[int], n_tokens: int, expires_at: float
+        self,
+        worker_id: str,
+        keys: Sequence[int],
+        n_tokens: int,
+        expires_at: float,
+        junction: int = 0,
     ) -> None:
-        """`expect` from `content_keys` the caller already computed (for `score_keys`)."""
+        """`expect` from `content_keys` the caller already computed (for `score_keys`).
+        `junction`: the worker's full-attention coverage of the prompt when it exceeded the
+        reuse (`reach_keys`), where vLLM will save sparse state for requests sharing it."""
         w = self._worker(worker_id)
         layout = w.lineage.layout()
         alignment = layout.alignment if layout.usable else self.hash_unit
-        self._expectations.add(w.index, keys, n_tokens, alignment, self.hash_unit, expires_at)
+        self._expectations.add(
+            w.index, keys, n_tokens, alignment, self.hash_unit, expires_at, junction
+        )
 
     def expire(self, now: float) -> None:
         """Drop expectations with expires_at <= now."""

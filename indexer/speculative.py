@@ -28,6 +28,7 @@ class _Expectation:
     boundary_key: int | None  # the key at the replay boundary
     boundary: int  # the replay boundary, tokens
     expires_at: float
+    junction_key: int | None = None  # the key at a shared-prefix junction vLLM will save
 
 
 class Expectations:
@@ -86,9 +87,11 @@ class Expectations:
         alignment: int,
         hash_unit: int,
         expires_at: float,
+        junction: int = 0,
     ) -> None:
         """Expect worker `index` to hold the prompt (n_tokens, these content keys) until
-        `expires_at`."""
+        `expires_at`. `junction` (tokens, 0 = none): where the worker's full attention held
+        the prompt beyond its reuse, so vLLM saves sliding-window / Mamba state there too."""
         if not keys:
             return
         boundary = max(n_tokens - 1, 0)
@@ -103,7 +106,9 @@ class Expectations:
         boundary_key = unit_keys[boundary // hash_unit - 1] if boundary else None
         exp_id = self._next_id
         self._next_id += 1
-        exp = _Expectation(index, unit_keys, boundary_key, boundary, expires_at)
+        junction -= junction % alignment
+        junction_key = unit_keys[junction // hash_unit - 1] if 0 < junction < boundary else None
+        exp = _Expectation(index, unit_keys, boundary_key, boundary, expires_at, junction_key)
         mine[exp_id] = exp
         for key in unit_keys:
             self._inc(self._prefix, self._prefix_counts, key, index)
@@ -254,16 +259,17 @@ class Expectations:
         return out
 
     def _boundary_reached(self, index: int, keys: Sequence[int], units: int) -> int:
-        """The furthest replay boundary (in units) of the worker's expectations within the
-        request's first `units` keys, or 0 (a key carries its end position in units)."""
+        """The furthest replay boundary or junction (in units) of the worker's expectations
+        within the request's first `units` keys, or 0 (a key carries its end position in
+        units)."""
         best = 0
         for exp in self._by_worker.get(index, {}).values():
-            key = exp.boundary_key
-            if key is None:
-                continue
-            at = key >> 64
-            if best < at <= units and keys[at - 1] == key:
-                best = at
+            for key in (exp.boundary_key, exp.junction_key):
+                if key is None:
+                    continue
+                at = key >> 64
+                if best < at <= units and keys[at - 1] == key:
+                    best = at
         return best
 
 

@@ -102,10 +102,11 @@ class FleetIndexView:
         cache_salt: str,
         ttl_s: float,
         keys: Sequence[int] | None = None,
+        junction: int = 0,
     ) -> None:
         if keys is None:
             keys = self.prompt_keys(token_ids, lora_name, cache_salt)
-        self.index.expect_keys(worker, keys, len(token_ids), self._clock() + ttl_s)
+        self.index.expect_keys(worker, keys, len(token_ids), self._clock() + ttl_s, junction)
 
     def apply(self, worker: str, batch: events_pb2.KvEventBatch) -> None:
         self.index.apply(worker, batch)

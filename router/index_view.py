@@ -107,8 +107,11 @@ class IndexView(Protocol):
         cache_salt: str,
         ttl_s: float,
         keys: Sequence[int] | None = None,
+        junction: int = 0,
     ) -> None:
-        """Credit `worker` with the prompt for `ttl_s` seconds (until its events arrive)."""
+        """Credit `worker` with the prompt for `ttl_s` seconds (until its events arrive);
+        `junction` > 0: its full attention held that many prompt tokens beyond the reuse, so
+        vLLM will save sliding-window / Mamba state there as well."""
         ...
 
     def apply(self, worker: str, batch: events_pb2.KvEventBatch) -> None: ...

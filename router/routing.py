@@ -225,6 +225,8 @@ class Routing:
                     prompt.cache_salt,
                     self.cfg.expect_seconds,
                     self.keys(prompt),
+                    # vLLM saves sparse state where full attention held the prompt (a junction)
+                    (prompt.coverage or _EMPTY).get(worker.name) or 0,
                 )
             except Exception as exc:
                 self._ratelog.error("expect", "index expectation failed: %r", exc)

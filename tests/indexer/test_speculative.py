@@ -101,3 +101,18 @@ def test_expectations_are_bounded_per_worker() -> None:
     assert fi.stats("w").expectations == 4
     assert fi.score([9] * 64)["w"] == 48
     assert fi.score([0] * 64)["w"] is None  # the earliest-expiring were dropped
+
+
+def test_hybrid_worker_is_credited_at_the_junction_it_will_save() -> None:
+    """Routed for its junction (full attention held 64 tokens beyond the reuse), the prompt
+    makes vLLM save state at 64 as well: a sibling sharing 70 tokens is credited 64."""
+    fi = _fleet()
+    keys = fi_keys(fi, P[:100])
+    fi.expect_keys("hybrid", keys, 100, expires_at=10.0, junction=64)
+    sibling = P[:70] + [1] * 30
+    assert fi.score(sibling)["hybrid"] == 64
+    assert fi.score(P[:100])["hybrid"] == 96  # the replay boundary as before
+    # a junction beyond the replay boundary adds nothing
+    fi2 = _fleet()
+    fi2.expect_keys("hybrid", keys, 100, expires_at=10.0, junction=128)
+    assert fi2.score(sibling)["hybrid"] == 0

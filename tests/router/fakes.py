@@ -65,6 +65,7 @@ class ScriptedIndex:
         cache_salt: str,
         ttl_s: float,
         keys: Sequence[int] | None = None,
+        junction: int = 0,
     ) -> None:
         self.expected.append((worker, len(token_ids), lora_name, cache_salt))
 

@@ -1,0 +1,237 @@
+"""Benchmark 1 over several seeds: do the TTFT differences between routers outlast one run?
+
+One run of the default trace has about 300 requests: its p99 is about its third-slowest
+request, and two runs of one router differ by more than the gaps between the good routers.
+This runs :mod:`bench.routing_bench` once per seed (each seed generates another trace: other
+sessions, prompts and arrival times), every router on a fresh fleet within a seed, and reports
+per router:
+
+- the median over seeds (and the range) of cached tokens and of TTFT p50 and p99,
+- TTFT percentiles pooled over every request of every seed (about 300 x seeds requests, so
+  the pooled p99 rests on a few dozen requests rather than three),
+- for the reference router (kvroute, else the first listed) against each other router: in how
+  many seeds its p50 and p99 were lower, and the median of the per-seed differences.
+
+Results: ``bench/results/routing_seeds_<profile>[_vllm].{json,md}``; each seed's own results
+and per-request records under ``bench/results/seeds/seed<k>/``.
+
+    python -m bench.routing_seeds --seeds 0,1,2 --profile all --routers kvroute,smg-cache-aware
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from bench.report import fmt, markdown_table
+from bench.routing_bench import build_config, parse_args, run_profile
+from bench.stats import percentile
+
+
+def _ratio(row: dict[str, Any]) -> float | None:
+    prompt = row.get("engine_prompt_tokens") or 0
+    return row["engine_cached_tokens"] / prompt if prompt else None
+
+
+def _ttfts(run_dir: Path, name: str) -> list[float]:
+    path = run_dir / f"{name}.records.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            r = json.loads(line)
+            if r.get("ttft") is not None and r.get("status") == 200 and r.get("error") is None:
+                out.append(float(r["ttft"]))
+    return out
+
+
+def _spread(values: Sequence[float]) -> dict[str, float] | None:
+    if not values:
+        return None
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def aggregate(per_seed: dict[int, dict[str, Any]], run_dirs: dict[int, Path]) -> dict[str, Any]:
+    """Per-router statistics over the seeds' results (``run_profile`` outputs by seed)."""
+    seeds = sorted(per_seed)
+    names: list[str] = []
+    labels: dict[str, str] = {}
+    for s in seeds:
+        for row in per_seed[s]["routers"]:
+            if row["name"] not in names:
+                names.append(row["name"])
+                labels[row["name"]] = row.get("label", row["name"])
+    ok = {s: {r["name"]: r for r in per_seed[s]["routers"] if r["status"] == "ok"} for s in seeds}
+    routers: list[dict[str, Any]] = []
+    for name in names:
+        rows = {s: ok[s][name] for s in seeds if name in ok[s]}
+        pooled = [t for s in rows for t in _ttfts(run_dirs[s], name)]
+        routers.append(
+            {
+                "name": name,
+                "label": labels[name],
+                "seeds": sorted(rows),
+                "cached_ratio": _spread([x for r in rows.values() if (x := _ratio(r)) is not None]),
+                "ttft_p50": _spread([r["summary"]["ttft_p50"] for r in rows.values()]),
+                "ttft_p99": _spread([r["summary"]["ttft_p99"] for r in rows.values()]),
+                "pooled": {
+                    "requests": len(pooled),
+                    "ttft_p50": percentile(pooled, 50),
+                    "ttft_p90": percentile(pooled, 90),
+                    "ttft_p99": percentile(pooled, 99),
+                },
+            }
+        )
+    ref = "kvroute" if "kvroute" in names else (names[0] if names else None)
+    paired: list[dict[str, Any]] = []
+    for name in names:
+        if ref is None or name == ref:
+            continue
+        common = [s for s in seeds if name in ok[s] and ref in ok[s]]
+        entry: dict[str, Any] = {"reference": ref, "other": name, "seeds": common}
+        for q in ("ttft_p50", "ttft_p99"):
+            diffs = [ok[s][ref]["summary"][q] - ok[s][name]["summary"][q] for s in common]
+            entry[q] = {
+                "reference_lower": sum(1 for d in diffs if d < 0),
+                "median_diff_s": statistics.median(diffs) if diffs else None,
+            }
+        paired.append(entry)
+    return {"seeds": seeds, "reference": ref, "routers": routers, "paired": paired}
+
+
+def _range(sp: dict[str, float] | None, pct: bool = False) -> str:
+    if sp is None:
+        return "-"
+    return f"{fmt(sp['median'], pct=pct)} ({fmt(sp['min'], pct=pct)}-{fmt(sp['max'], pct=pct)})"
+
+
+def markdown(profile: str, agg: dict[str, Any], first: dict[str, Any], command: str) -> str:
+    """The seeds' table for one profile."""
+    seeds = agg["seeds"]
+    trace = first["trace"]["name"].split(",")[0]
+    lines = [
+        f"# Routing benchmark over {len(seeds)} seeds: profile `{profile}`",
+        "",
+        f"Fleet: {first['fleet']['workers']} simulated engines ({profile}, cache backend "
+        f"{first['fleet']['cache_backend']}); traces: {trace}, seeds "
+        f"{', '.join(map(str, seeds))} (about {first['trace']['requests']} requests each); "
+        f"replay: {first['replay']}. Each seed runs every router on a fresh fleet, one after "
+        "another. Per-seed values are medians over seeds (range in brackets); pooled = every "
+        "request of every seed together.",
+        "",
+    ]
+    headers = [
+        "router",
+        "seeds",
+        "cached % (median, range)",
+        "TTFT p50 (s)",
+        "TTFT p99 (s)",
+        "pooled requests",
+        "pooled p50",
+        "pooled p90",
+        "pooled p99",
+    ]
+    rows = [
+        [
+            r["label"],
+            str(len(r["seeds"])),
+            _range(r["cached_ratio"], pct=True),
+            _range(r["ttft_p50"]),
+            _range(r["ttft_p99"]),
+            str(r["pooled"]["requests"]),
+            fmt(r["pooled"]["ttft_p50"]),
+            fmt(r["pooled"]["ttft_p90"]),
+            fmt(r["pooled"]["ttft_p99"]),
+        ]
+        for r in agg["routers"]
+    ]
+    lines += [markdown_table(headers, rows), ""]
+    if agg["paired"]:
+        ref = agg["reference"]
+        lines += [
+            f"Paired by seed, `{ref}` against each other router (negative: {ref} faster):",
+            "",
+        ]
+        prow = []
+        for p in agg["paired"]:
+            n = len(p["seeds"])
+            cells = [p["other"], str(n)]
+            for q in ("ttft_p50", "ttft_p99"):
+                d = p[q]["median_diff_s"]
+                cells.append(
+                    f"{p[q]['reference_lower']}/{n}, median "
+                    + ("-" if d is None else f"{d * 1000:+.1f} ms")
+                )
+            prow.append(cells)
+        lines += [
+            markdown_table(
+                ["other router", "seeds", f"{ref} p50 lower in", f"{ref} p99 lower in"], prow
+            ),
+            "",
+        ]
+    lines += [f"Command: `{command}`", ""]
+    return "\n".join(lines)
+
+
+def _split_args(argv: Sequence[str]) -> tuple[list[int], list[str]]:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.routing_seeds",
+        description=__doc__,
+        epilog="Other options are routing_bench's (--profile, --routers, --cache-backend, ...).",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--seeds", default="0,1,2", help="comma list of trace seeds")
+    known, rest = p.parse_known_args(argv)
+    seeds = [int(s) for s in known.seeds.split(",") if s.strip()]
+    if not seeds:
+        p.error("--seeds needs at least one seed")
+    if "--seed" in rest:
+        p.error("use --seeds, not --seed")
+    return seeds, rest
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    seeds, rest = _split_args(argv)
+    base = parse_args(rest)
+    out_root = Path(base.out_dir)
+    command = "python -m bench.routing_seeds " + shlex.join(argv)
+    failed = 0
+    configs = {}
+    for seed in seeds:
+        args = parse_args(
+            [*rest, "--seed", str(seed), "--out-dir", str(out_root / "seeds" / f"seed{seed}")]
+        )
+        configs[seed] = build_config(args)
+    first_cfg = configs[seeds[0]]
+    for profile in first_cfg.profiles:
+        per_seed: dict[int, dict[str, Any]] = {}
+        run_dirs: dict[int, Path] = {}
+        for seed in seeds:
+            cfg = configs[seed]
+            cfg.out_dir.mkdir(parents=True, exist_ok=True)
+            t0 = time.monotonic()
+            per_seed[seed] = run_profile(cfg, profile, command + f" (seed {seed})")
+            run_dirs[seed] = cfg.out_dir / "runs" / f"routing_{profile}{cfg.suffix}"
+            failed += sum(1 for r in per_seed[seed]["routers"] if r["status"] == "failed")
+            print(f"[{profile}] seed {seed} done in {time.monotonic() - t0:.0f}s", file=sys.stderr)
+        agg = aggregate(per_seed, run_dirs)
+        agg.update(profile=profile, command=command, created=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+        stem = out_root / f"routing_seeds_{profile}{first_cfg.suffix}"
+        stem.with_suffix(".json").write_text(json.dumps(agg, indent=2) + "\n")
+        md = markdown(profile, agg, per_seed[seeds[0]], command)
+        stem.with_suffix(".md").write_text(md)
+        print(md)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -187,6 +187,7 @@ def _split_args(argv: Sequence[str]) -> tuple[list[int], list[str]]:
         description=__doc__,
         epilog="Other options are routing_bench's (--profile, --routers, --cache-backend, ...).",
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,  # "--seed" must not be taken for "--seeds"
     )
     p.add_argument("--seeds", default="0,1,2", help="comma list of trace seeds")
     known, rest = p.parse_known_args(argv)

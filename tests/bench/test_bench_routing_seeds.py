@@ -1,0 +1,85 @@
+"""The multi-seed aggregation of benchmark 1: medians, pooled percentiles, paired wins.
+
+Synthetic per-seed results and per-request records (what ``run_profile`` writes), so the
+numbers can be checked by hand; the per-seed runs themselves are the routing smoke test's.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench.routing_seeds import _split_args, aggregate, markdown
+
+
+def _row(name: str, p50: float, p99: float, cached: int, status: str = "ok") -> dict[str, Any]:
+    return {
+        "name": name,
+        "label": name + " label",
+        "status": status,
+        "engine_prompt_tokens": 1000,
+        "engine_cached_tokens": cached,
+        "summary": {"ttft_p50": p50, "ttft_p99": p99},
+    }
+
+
+def _records(run_dir: Path, name: str, ttfts: list[float | None]) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(run_dir / f"{name}.records.jsonl", "w", encoding="utf-8") as f:
+        for i, t in enumerate(ttfts):
+            ok = t is not None
+            rec = {"id": str(i), "ttft": t, "status": 200 if ok else 502, "error": None}
+            f.write(json.dumps(rec) + "\n")
+
+
+def test_aggregate_medians_pooled_and_paired(tmp_path: Path) -> None:
+    per_seed = {
+        0: {"routers": [_row("kvroute", 0.10, 1.0, 800), _row("smg", 0.12, 0.9, 700)]},
+        1: {"routers": [_row("kvroute", 0.20, 2.0, 600), _row("smg", 0.15, 2.5, 650)]},
+        2: {"routers": [_row("kvroute", 0.30, 3.0, 700), _row("smg", 0.35, 3.5, 0, "failed")]},
+    }
+    dirs = {s: tmp_path / f"s{s}" for s in per_seed}
+    _records(dirs[0], "kvroute", [1.0, 2.0, None])  # the failed request is not pooled
+    _records(dirs[1], "kvroute", [3.0])
+    _records(dirs[2], "kvroute", [4.0, 5.0])
+    _records(dirs[0], "smg", [9.0])
+    agg = aggregate(per_seed, dirs)
+
+    kv, smg = agg["routers"]
+    assert agg["reference"] == "kvroute"
+    assert kv["seeds"] == [0, 1, 2] and smg["seeds"] == [0, 1]  # seed 2 failed for smg
+    assert kv["cached_ratio"] == {"median": 0.7, "min": 0.6, "max": 0.8}
+    assert kv["ttft_p50"] == {"median": 0.2, "min": 0.1, "max": 0.3}
+    assert smg["ttft_p99"]["median"] == pytest.approx(1.7)
+    assert kv["pooled"]["requests"] == 5
+    assert kv["pooled"]["ttft_p50"] == 3.0
+    assert kv["pooled"]["ttft_p99"] == pytest.approx(4.96)
+    (pair,) = agg["paired"]
+    assert pair["other"] == "smg" and pair["seeds"] == [0, 1]
+    # p50: kvroute lower in seed 0 (-0.02), higher in seed 1 (+0.05)
+    assert pair["ttft_p50"]["reference_lower"] == 1
+    assert pair["ttft_p50"]["median_diff_s"] == pytest.approx(0.015)
+    # p99: higher in seed 0 (+0.1), lower in seed 1 (-0.5)
+    assert pair["ttft_p99"]["reference_lower"] == 1
+    assert pair["ttft_p99"]["median_diff_s"] == pytest.approx(-0.2)
+
+    first = {
+        "fleet": {"workers": 4, "cache_backend": "sim"},
+        "trace": {"name": "preset default, seed 0", "requests": 3},
+        "replay": "open loop at 1.0x trace time",
+    }
+    md = markdown("dense", agg, first, "cmd")
+    assert "| kvroute label | 3 | 70.0% (60.0%-80.0%) |" in md
+    assert "| smg | 2 | 1/2, median +15.0 ms | 1/2, median -200.0 ms |" in md
+
+
+def test_seed_arguments() -> None:
+    seeds, rest = _split_args(["--seeds", "3,5", "--profile", "swa"])
+    assert seeds == [3, 5] and rest == ["--profile", "swa"]
+    with pytest.raises(SystemExit):
+        _split_args(["--seeds", "1", "--seed", "2"])
+    with pytest.raises(SystemExit):
+        _split_args(["--seeds", ","])

@@ -8,6 +8,7 @@ validated before the router starts; all problems are reported at once, each with
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import types
 import typing
@@ -23,6 +24,15 @@ from router.discovery import DiscoveryConfigError, parse_discovery_config
 
 ENV_PREFIX = "KVROUTE_"
 LOG_LEVELS = ("debug", "info", "warning", "error")
+# Keys earlier versions accepted that no longer do anything: ignored with a warning, so a
+# working deployment's config file does not stop the router on upgrade.
+RETIRED_KEYS = {
+    "policy.affinity_max_workers": (
+        "the policy now takes every worker's full-attention coverage from the scoring walk"
+    ),
+}
+
+log = logging.getLogger(__name__)
 
 
 class ConfigError(ValueError):
@@ -124,6 +134,12 @@ def _normalise(data: Mapping[str, Any]) -> dict[str, Any]:
     out = dict(data)
     if isinstance(out.get("policy"), str):
         out["policy"] = {"name": out["policy"]}
+    for dotted, why in RETIRED_KEYS.items():
+        section, key = dotted.split(".")
+        node = out.get(section)
+        if isinstance(node, Mapping) and key in node:
+            out[section] = {k: v for k, v in node.items() if k != key}
+            log.warning("config: %s is no longer used and is ignored (%s)", dotted, why)
     models = out.get("models")
     if isinstance(models, Mapping):
         out["models"] = {

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -157,3 +158,14 @@ def test_discovery_section_is_validated() -> None:
     assert cfg.workers == [] and cfg.discovery["file"]["path"] == "/tmp/w.yaml"
     with pytest.raises(ConfigError, match="discovery"):
         config_from_dict({**FLEET, "discovery": {"files": {}}})
+
+
+def test_retired_key_is_ignored_with_one_warning(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="router.config_load"):
+        cfg = config_from_dict({**FLEET, "policy": {"name": "ttft", "affinity_max_workers": 64}})
+    assert cfg.policy.name == "ttft"
+    warnings = [r for r in caplog.records if "affinity_max_workers" in r.getMessage()]
+    assert len(warnings) == 1 and "ignored" in warnings[0].getMessage()
+    # a misspelt key next to it is still an error
+    with pytest.raises(ConfigError, match="affinty_weight: unknown key"):
+        config_from_dict({**FLEET, "policy": {"affinity_max_workers": 64, "affinty_weight": 1}})

@@ -290,6 +290,14 @@ class FleetIndex:
             return False, self.hash_unit
         return all(u.rule is Rule.FULL for u in layout.units), layout.alignment
 
+    def _junctions(self, name: str) -> bool:
+        """Whether the worker's events show full attention and sliding-window or Mamba
+        groups: the layout where serving a prefix full attention holds saves a junction
+        (the workers `reach_keys` reports coverage for)."""
+        layout = self._workers[name].lineage.layout()
+        rules = {u.rule for u in layout.units}  # no units when the layout is unusable
+        return Rule.FULL in rules and len(rules) > 1
+
     # -- scoring ---------------------------------------------------------------------------
 
     def _current_plan(self) -> Plan:
@@ -385,9 +393,10 @@ class FleetIndex:
                 for index, units in reach.items():
                     name = self._names[index]
                     assert name is not None
-                    if not self._rule_of(index)[0] and units * self.hash_unit > coverage.get(
-                        name, 0
-                    ):
+                    # only where the events show full attention beside sparse groups: a
+                    # worker of unknown layout may be dense, and then these tokens are
+                    # reuse at once, not a junction (its credit stays the cautious one)
+                    if self._junctions(name) and units * self.hash_unit > coverage.get(name, 0):
                         coverage[name] = units * self.hash_unit
         return result
 

@@ -116,3 +116,24 @@ def test_hybrid_worker_is_credited_at_the_junction_it_will_save() -> None:
     fi2 = _fleet()
     fi2.expect_keys("hybrid", keys, 100, expires_at=10.0, junction=128)
     assert fi2.score(sibling)["hybrid"] == 0
+
+
+def test_a_worker_of_unknown_layout_has_no_coverage_from_an_expectation() -> None:
+    """A worker with no events yet (just started or restarted) may be dense: there a
+    sibling sharing 64 tokens of the expected prompt reuses all 64 at once, so those tokens
+    are no junction to invest in. Its coverage is unknown, hence absent (as for a worker
+    whose events show only full attention), and the credit stays the conservative 0.
+
+    Regression: the expectation's reach was reported as coverage for such a worker, so the
+    junction-crediting policy sent the sibling there predicted 0, and the dense engine
+    served 752 cached tokens (tests/reliability: test_engine_restarted_gives_no_stale_hits).
+    """
+    fi = FleetIndex()
+    fi.expect("new", P[:100], None, expires_at=10.0)
+    sibling = P[:70] + [1] * 30
+    scores, coverage = fi.reach_keys(fi_keys(fi, sibling), len(sibling))
+    assert scores == {"new": None} and coverage == {}
+    # its events show full attention only: the sibling is credited the shared prefix
+    fi.apply("new", batch(0, store(0, [], [], 16, FULL)))
+    scores, coverage = fi.reach_keys(fi_keys(fi, sibling), len(sibling))
+    assert scores == {"new": 64} and coverage == {}

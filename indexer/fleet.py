@@ -266,10 +266,13 @@ class FleetIndex:
     ) -> None:
         """`expect` from `content_keys` the caller already computed (for `score_keys`).
         `junction`: the worker's full-attention coverage of the prompt when it exceeded the
-        reuse (`reach_keys`), where vLLM will save sparse state for requests sharing it."""
+        reuse (`reach_keys`), where vLLM will save sparse state for requests sharing it (at
+        `Layout.junction_state`: a Mamba group keeps it at the block ending there)."""
         w = self._worker(worker_id)
         layout = w.lineage.layout()
         alignment = layout.alignment if layout.usable else self.hash_unit
+        if layout.usable:
+            junction = layout.junction_state(junction)
         self._expectations.add(
             w.index, keys, n_tokens, alignment, self.hash_unit, expires_at, junction
         )

@@ -137,3 +137,25 @@ def test_a_worker_of_unknown_layout_has_no_coverage_from_an_expectation() -> Non
     fi.apply("new", batch(0, store(0, [], [], 16, FULL)))
     scores, coverage = fi.reach_keys(fi_keys(fi, sibling), len(sibling))
     assert scores == {"new": 64} and coverage == {}
+
+
+def test_a_junction_is_credited_where_each_sparse_group_keeps_its_state() -> None:
+    """vLLM keeps a Mamba group's junction state in the Mamba block ending at or before
+    the junction (`MambaManager.reachable_block_mask`: block `aligned // block_size - 1`;
+    a partial checkpoint exactly at the junction needs
+    `enable_mamba_shared_prefix_checkpoint`). With Mamba blocks of 64 tokens (hits aligned
+    to 16), a junction at 80 leaves state at 64: a sibling sharing those 80 tokens hits 64,
+    as vLLM 0.33's own KVCacheManager answers (80 -> 64, 96 -> 64, 144 -> 128). A sliding
+    window keeps its tail ending at the junction itself."""
+    mamba64 = FleetIndex()
+    mamba64.apply("m", batch(0, store(0, [], [], 16, FULL), store(1, [], [], 64, MAMBA)))
+    assert mamba64.layout("m").alignment == 16
+    keys = fi_keys(mamba64, P[:200])
+    for junction, credited in ((80, 64), (96, 64), (64, 64), (144, 128), (48, 0)):
+        mamba64.expect_keys("m", keys, 200, expires_at=10.0, junction=junction)
+        sibling = P[:junction] + [1] * 30  # shares exactly the junction's tokens
+        assert mamba64.score(sibling)["m"] == credited, junction
+        mamba64.expire(10.0)
+    swa = _fleet()  # FA + SWA + Mamba, all block 16: every group keeps state at 80
+    swa.expect_keys("hybrid", keys, 200, expires_at=10.0, junction=80)
+    assert swa.score(P[:90] + [1] * 30)["hybrid"] == 80

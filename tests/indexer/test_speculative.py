@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import random
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from indexer import FleetIndex, Namespace, content_keys
 from tests.indexer.events import FULL, MAMBA, SWA, batch, engine_hashes, store
 
@@ -159,3 +162,37 @@ def test_a_junction_is_credited_where_each_sparse_group_keeps_its_state() -> Non
     swa = _fleet()  # FA + SWA + Mamba, all block 16: every group keeps state at 80
     swa.expect_keys("hybrid", keys, 200, expires_at=10.0, junction=80)
     assert swa.score(P[:90] + [1] * 30)["hybrid"] == 80
+
+
+@settings(max_examples=100, deadline=None)
+@given(seed=st.integers(0, 2**32))
+def test_coverage_only_for_workers_whose_events_show_junctions(seed: int) -> None:
+    """Whatever is expected where: `reach_keys` reports coverage only for workers whose
+    events show full attention beside sparse groups, never below their score."""
+    rng = random.Random(seed)
+    fi = FleetIndex()
+    fi.apply("dense", batch(0, store(0, [], [], 16, FULL)))
+    fi.apply("swa_only", batch(0, store(0, [], [], 16, SWA, window=32)))
+    fi.apply(
+        "hybrid",
+        batch(0, store(0, [], [], 16, FULL), store(1, [], [], 64, MAMBA)),
+    )
+    fi.expect("unknown", [1] * 16, None, expires_at=0.5)  # known to the index, no layout
+    fi.expire(1.0)
+    docs = [[rng.randrange(3) for _ in range(rng.randrange(16, 300))] for _ in range(3)]
+
+    def prompt() -> list[int]:
+        doc = rng.choice(docs)
+        return doc[: rng.randrange(1, len(doc) + 1)] + [9] * rng.randrange(0, 40)
+
+    names = ["dense", "swa_only", "hybrid", "unknown"]
+    for _ in range(rng.randrange(1, 12)):
+        ids = prompt()
+        junction = rng.randrange(0, len(ids) + 1)
+        fi.expect_keys(rng.choice(names), fi_keys(fi, ids), len(ids), 10.0, junction)
+    for _ in range(10):
+        ids = prompt()
+        scores, coverage = fi.reach_keys(fi_keys(fi, ids), len(ids))
+        assert set(coverage) <= {"hybrid"}, coverage
+        for name, covered in coverage.items():
+            assert (scores[name] or 0) <= covered

@@ -266,10 +266,13 @@ class FleetIndex:
     ) -> None:
         """`expect` from `content_keys` the caller already computed (for `score_keys`).
         `junction`: the worker's full-attention coverage of the prompt when it exceeded the
-        reuse (`reach_keys`), where vLLM will save sparse state for requests sharing it."""
+        reuse (`reach_keys`), where vLLM will save sparse state for requests sharing it (at
+        `Layout.junction_state`: a Mamba group keeps it at the block ending there)."""
         w = self._worker(worker_id)
         layout = w.lineage.layout()
         alignment = layout.alignment if layout.usable else self.hash_unit
+        if layout.usable:
+            junction = layout.junction_state(junction)
         self._expectations.add(
             w.index, keys, n_tokens, alignment, self.hash_unit, expires_at, junction
         )
@@ -289,6 +292,14 @@ class FleetIndex:
         if not layout.usable:
             return False, self.hash_unit
         return all(u.rule is Rule.FULL for u in layout.units), layout.alignment
+
+    def _junctions(self, name: str) -> bool:
+        """Whether the worker's events show full attention and sliding-window or Mamba
+        groups: the layout where serving a prefix full attention holds saves a junction
+        (the workers `reach_keys` reports coverage for)."""
+        layout = self._workers[name].lineage.layout()
+        rules = {u.rule for u in layout.units}  # no units when the layout is unusable
+        return Rule.FULL in rules and len(rules) > 1
 
     # -- scoring ---------------------------------------------------------------------------
 
@@ -385,9 +396,10 @@ class FleetIndex:
                 for index, units in reach.items():
                     name = self._names[index]
                     assert name is not None
-                    if not self._rule_of(index)[0] and units * self.hash_unit > coverage.get(
-                        name, 0
-                    ):
+                    # only where the events show full attention beside sparse groups: a
+                    # worker of unknown layout may be dense, and then these tokens are
+                    # reuse at once, not a junction (its credit stays the cautious one)
+                    if self._junctions(name) and units * self.hash_unit > coverage.get(name, 0):
                         coverage[name] = units * self.hash_unit
         return result
 

@@ -102,6 +102,19 @@ class Layout:
         """Whether the worker can be scored."""
         return not self.reason
 
+    def junction_state(self, junction: int) -> int:
+        """Where vLLM keeps sliding-window and Mamba state for a request whose
+        shared-prefix junction is `junction` tokens (`reachable_block_mask` in vLLM's
+        single_type_kv_cache_manager.py): the junction aligned down, then down to the
+        group's block, so a sliding window keeps the tail ending there and a Mamba group
+        the state block ending there (64-token Mamba blocks: a junction at 80 saves 64).
+        0 when the sparse groups keep it at different positions (no joint hit there)."""
+        aligned = junction - junction % self.alignment if self.alignment else 0
+        ends = {aligned - aligned % u.block_size for u in self.units if u.rule is not Rule.FULL}
+        if len(ends) > 1:
+            return 0
+        return ends.pop() if ends else aligned
+
 
 def _units(groups: tuple[GroupSpec, ...]) -> tuple[Unit, ...]:
     merged: dict[tuple[str, int, int], list[GroupSpec]] = {}

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import random
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from indexer import FleetIndex, Namespace, content_keys
 from tests.indexer.events import FULL, MAMBA, SWA, batch, engine_hashes, store
 
@@ -116,3 +119,80 @@ def test_hybrid_worker_is_credited_at_the_junction_it_will_save() -> None:
     fi2 = _fleet()
     fi2.expect_keys("hybrid", keys, 100, expires_at=10.0, junction=128)
     assert fi2.score(sibling)["hybrid"] == 0
+
+
+def test_a_worker_of_unknown_layout_has_no_coverage_from_an_expectation() -> None:
+    """A worker with no events yet (just started or restarted) may be dense: there a
+    sibling sharing 64 tokens of the expected prompt reuses all 64 at once, so those tokens
+    are no junction to invest in. Its coverage is unknown, hence absent (as for a worker
+    whose events show only full attention), and the credit stays the conservative 0.
+
+    Regression: the expectation's reach was reported as coverage for such a worker, so the
+    junction-crediting policy sent the sibling there predicted 0, and the dense engine
+    served 752 cached tokens (tests/reliability: test_engine_restarted_gives_no_stale_hits).
+    """
+    fi = FleetIndex()
+    fi.expect("new", P[:100], None, expires_at=10.0)
+    sibling = P[:70] + [1] * 30
+    scores, coverage = fi.reach_keys(fi_keys(fi, sibling), len(sibling))
+    assert scores == {"new": None} and coverage == {}
+    # its events show full attention only: the sibling is credited the shared prefix
+    fi.apply("new", batch(0, store(0, [], [], 16, FULL)))
+    scores, coverage = fi.reach_keys(fi_keys(fi, sibling), len(sibling))
+    assert scores == {"new": 64} and coverage == {}
+
+
+def test_a_junction_is_credited_where_each_sparse_group_keeps_its_state() -> None:
+    """vLLM keeps a Mamba group's junction state in the Mamba block ending at or before
+    the junction (`MambaManager.reachable_block_mask`: block `aligned // block_size - 1`;
+    a partial checkpoint exactly at the junction needs
+    `enable_mamba_shared_prefix_checkpoint`). With Mamba blocks of 64 tokens (hits aligned
+    to 16), a junction at 80 leaves state at 64: a sibling sharing those 80 tokens hits 64,
+    as vLLM 0.33's own KVCacheManager answers (80 -> 64, 96 -> 64, 144 -> 128). A sliding
+    window keeps its tail ending at the junction itself."""
+    mamba64 = FleetIndex()
+    mamba64.apply("m", batch(0, store(0, [], [], 16, FULL), store(1, [], [], 64, MAMBA)))
+    assert mamba64.layout("m").alignment == 16
+    keys = fi_keys(mamba64, P[:200])
+    for junction, credited in ((80, 64), (96, 64), (64, 64), (144, 128), (48, 0)):
+        mamba64.expect_keys("m", keys, 200, expires_at=10.0, junction=junction)
+        sibling = P[:junction] + [1] * 30  # shares exactly the junction's tokens
+        assert mamba64.score(sibling)["m"] == credited, junction
+        mamba64.expire(10.0)
+    swa = _fleet()  # FA + SWA + Mamba, all block 16: every group keeps state at 80
+    swa.expect_keys("hybrid", keys, 200, expires_at=10.0, junction=80)
+    assert swa.score(P[:90] + [1] * 30)["hybrid"] == 80
+
+
+@settings(max_examples=100, deadline=None)
+@given(seed=st.integers(0, 2**32))
+def test_coverage_only_for_workers_whose_events_show_junctions(seed: int) -> None:
+    """Whatever is expected where: `reach_keys` reports coverage only for workers whose
+    events show full attention beside sparse groups, never below their score."""
+    rng = random.Random(seed)
+    fi = FleetIndex()
+    fi.apply("dense", batch(0, store(0, [], [], 16, FULL)))
+    fi.apply("swa_only", batch(0, store(0, [], [], 16, SWA, window=32)))
+    fi.apply(
+        "hybrid",
+        batch(0, store(0, [], [], 16, FULL), store(1, [], [], 64, MAMBA)),
+    )
+    fi.expect("unknown", [1] * 16, None, expires_at=0.5)  # known to the index, no layout
+    fi.expire(1.0)
+    docs = [[rng.randrange(3) for _ in range(rng.randrange(16, 300))] for _ in range(3)]
+
+    def prompt() -> list[int]:
+        doc = rng.choice(docs)
+        return doc[: rng.randrange(1, len(doc) + 1)] + [9] * rng.randrange(0, 40)
+
+    names = ["dense", "swa_only", "hybrid", "unknown"]
+    for _ in range(rng.randrange(1, 12)):
+        ids = prompt()
+        junction = rng.randrange(0, len(ids) + 1)
+        fi.expect_keys(rng.choice(names), fi_keys(fi, ids), len(ids), 10.0, junction)
+    for _ in range(10):
+        ids = prompt()
+        scores, coverage = fi.reach_keys(fi_keys(fi, ids), len(ids))
+        assert set(coverage) <= {"hybrid"}, coverage
+        for name, covered in coverage.items():
+            assert (scores[name] or 0) <= covered

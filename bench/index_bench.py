@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.report import index_plot
 from indexer import FleetIndex, content_keys
 from indexer.keys import MASK64
 from proto import events_pb2 as pb
@@ -353,7 +354,8 @@ def main(argv: list[str] | None = None) -> int:
     stem = "index-smoke" if args.smoke else "index"
     (args.out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
     (args.out / f"{stem}.md").write_text(markdown(result))
-    print(f"wrote {args.out / stem}.json and .md")
+    index_plot(result, args.out / f"{stem}.png")
+    print(f"wrote {args.out / stem}.json, .md and .png")
     return 0
 
 

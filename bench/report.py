@@ -179,14 +179,62 @@ def routing_plot(result: dict[str, Any], path: str | Path) -> None:
     plt.close(fig)
 
 
+def index_plot(result: dict[str, Any], path: str | Path) -> None:
+    """Benchmark 3: score time against prompt length (a line per fleet size, hot and cold, one
+    panel per layout) and memory per (worker, group, block) entry."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    layouts = sorted({r["layout"] for r in result["score"]})
+    fig, axes = plt.subplots(1, len(layouts) + 1, figsize=(5.2 * (len(layouts) + 1), 4.6))
+    for ax, layout in zip(axes, layouts, strict=False):
+        rows = [r for r in result["score"] if r["layout"] == layout]
+        for workers in sorted({r["workers"] for r in rows}):
+            pts = sorted((r["prompt_tokens"], r) for r in rows if r["workers"] == workers)
+            xs = [t for t, _ in pts]
+            (line,) = ax.plot(xs, [r["hot"]["median_ms"] for _, r in pts], marker="o",
+                              label=f"{workers} workers")  # fmt: skip
+            ax.plot(xs, [r["cold"]["median_ms"] for _, r in pts], linestyle=":",
+                    color=line.get_color())  # fmt: skip
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("prompt tokens")
+        ax.set_ylabel("score time, median (ms)")
+        ax.set_title(f"{layout} layout: hot (solid), cold (dotted)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    ax = axes[-1]
+    mem = result.get("memory", [])
+    ax.bar(range(len(mem)), [m["bytes_per_entry"] for m in mem], color="tab:green")
+    ax.set_xticks(range(len(mem)))
+    ax.set_xticklabels(
+        [f"{m['layout']}\n{m['workers']} workers\n{m['entries']:,} entries" for m in mem],
+        fontsize=8,
+    )
+    ax.set_ylabel("bytes per (worker, group, block) entry")
+    ax.set_title("index memory")
+    ax.grid(axis="y", alpha=0.3)
+    fig.suptitle("kvroute index benchmark (" + str(result.get("machine", "")) + ")")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Re-render the table and plot of routing result files: ``python -m bench.report F.json``."""
+    """Re-render tables and plots of result files: ``python -m bench.report F.json ...``.
+
+    Routing results get their table and plot; index results (``index*.json``) their plot."""
     import json
     import sys
 
     paths = list(argv if argv is not None else sys.argv[1:])
     for p in paths:
         result = json.loads(Path(p).read_text())
+        if "score" in result and "memory" in result:
+            index_plot(result, Path(p).with_suffix(".png"))
+            continue
         if result.get("benchmark") != "routing":
             print(f"{p}: not a routing result, skipped", file=sys.stderr)
             continue

@@ -17,3 +17,5 @@ def test_index_bench_smoke(tmp_path: Path) -> None:
     assert all(r["rate"] > 0 for r in result["ingest"])
     assert all(0 < r["bytes_per_entry"] < 10_000 for r in result["memory"])
     assert "| layout |" in (tmp_path / "index-smoke.md").read_text()
+    png = (tmp_path / "index-smoke.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 10_000

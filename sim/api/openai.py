@@ -242,8 +242,12 @@ class Generation:
             counts = [0] * len(handles)
             done = [False] * len(handles)
             try:
+                # vLLM sends the role chunk with the engine's first output, i.e. after the
+                # prefill (serving.py: `first_iteration` inside `async for res in
+                # result_generator`), so a client's first byte marks the end of prefill.
+                role_chunk: dict[str, Any] | None = None
                 if chat:
-                    first: dict[str, Any] = {
+                    role_chunk = {
                         **head,
                         "choices": [
                             {"index": 0, "delta": {"role": "assistant", "content": ""},
@@ -253,8 +257,7 @@ class Generation:
                         "prompt_text": None,
                     }  # fmt: skip
                     if req.continuous_usage:
-                        first["usage"] = _compact(_usage(len(req.prompts[0]), 0, None))
-                    yield _sse(first)
+                        role_chunk["usage"] = _compact(_usage(len(req.prompts[0]), 0, None))
                 queue: asyncio.Queue[tuple[int, TokenOutput]] = asyncio.Queue()
 
                 async def pump(i: int, h: RequestHandle) -> None:
@@ -269,6 +272,9 @@ class Generation:
                     while not all(done):
                         i, out = await queue.get()
                         h = handles[i]
+                        if role_chunk is not None:
+                            yield _sse(role_chunk)
+                            role_chunk = None
                         if out.token_id is not None:
                             counts[i] += 1
                             if fail_mode == "stream":

@@ -360,3 +360,23 @@ def test_waiting_queue_is_bounded() -> None:
         for t in threads:
             t.join(10)
         assert 503 in codes
+
+
+def test_streamed_role_chunk_comes_with_the_first_token_as_in_vllm() -> None:
+    """vLLM emits the role chunk with the engine's first output (after the prefill); a router
+    that treats the first byte as the end of prefill must see the prefill's time here too."""
+    config = EngineConfig(speed=0.05, num_blocks=1024, max_model_len=4096)
+    with SimEngineThread(config) as s, httpx.Client(base_url=s.url, timeout=30) as c:
+        body = chat(LONG * 2, max_tokens=2, stream=True)
+        arrivals: list[tuple[float, dict[str, Any]]] = []
+        t0 = time.perf_counter()
+        with c.stream("POST", "/v1/chat/completions", json=body) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    arrivals.append((time.perf_counter() - t0, json.loads(line[6:])))
+        (t_role, role), (t_token, token) = arrivals[0], arrivals[1]
+        assert role["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        assert token["choices"][0]["delta"]["content"]
+        # the prefill of ~300 tokens at 1/20 of the modelled H100 takes tens of ms
+        assert t_token > 0.02
+        assert t_role > 0.8 * t_token

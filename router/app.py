@@ -31,8 +31,8 @@ from router.discovery import parse_discovery_config, start_discovery
 from router.events import EventSubscriptions, TransportFactory, default_transport
 from router.health import HealthChecker, MetricsProbe, ModelsProbe, Periodic
 from router.index_view import IndexView
-from router.load import PromptSizeEstimate
-from router.metrics import RouterMetrics
+from router.load import PrefillRateEstimate, PromptSizeEstimate
+from router.metrics import RouterMetrics, ScalarGauge
 from router.openai_request import GENERATION_ENDPOINTS
 from router.passthrough import Passthrough
 from router.policy import LoadModel, Policy, SessionPicker, make_policy
@@ -183,8 +183,14 @@ def create_app(
     registry.listen(events)
     verifier = Verifier(cfg.verify, metrics, events.resync, clock)
     prompt_size = PromptSizeEstimate(cfg.policy.avg_prompt_tokens)
+    prefill_rate = PrefillRateEstimate(cfg.policy.prefill_tokens_per_s)
     stale_after = max(5.0, 3 * cfg.load.metrics_interval_s)
-    load_model = LoadModel(cfg.policy, lambda: prompt_size.value, stale_after)
+    load_model = LoadModel(
+        cfg.policy,
+        lambda: prompt_size.value,
+        stale_after,
+        (lambda: prefill_rate.value) if cfg.policy.learn_prefill_rate else None,
+    )
     policy = make_policy(cfg.policy, load_model)
     own_tokenizers = tokenizers is None
     tok: Any = tokenizers if tokenizers is not None else build_tokenizers(cfg, upstream, metrics)
@@ -202,9 +208,25 @@ def create_app(
     )
     decisions = DecisionLog(cfg.limits.decisions_buffer)
     proxy = Proxy(
-        cfg, routing, upstream, registry, verifier, decisions, metrics, prompt_size, clock
+        cfg,
+        routing,
+        upstream,
+        registry,
+        verifier,
+        decisions,
+        metrics,
+        prompt_size,
+        clock,
+        prefill_rate=prefill_rate,
     )
     metrics.attach_state(registry, index, events, clock)
+    metrics.registry.register(
+        ScalarGauge(
+            "kvroute_prefill_tokens_per_second",
+            "Prefill rate the policy converts tokens to seconds with (learned or configured)",
+            lambda: 1.0 / load_model.seconds_per_token(),
+        )
+    )
 
     def apply_alignment(worker: Worker) -> None:
         for name in worker.serves():

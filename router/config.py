@@ -61,6 +61,11 @@ class PolicyConfig:
     prefill_tokens_per_s: float = _f(
         20000.0, "a worker's prefill throughput, tokens/s (converts tokens to seconds)"
     )
+    learn_prefill_rate: bool = _f(
+        True,
+        "learn the prefill rate from streamed responses' first bytes (prefill_tokens_per_s is "
+        "then only the starting value); false: always use prefill_tokens_per_s",
+    )
     decode_s_per_running: float = _f(
         0.001, "TTFT added per request already running on a worker (decode steps interleave)"
     )

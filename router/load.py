@@ -9,6 +9,7 @@ replicas' load, and it is added (waiting requests at the learned mean prefill si
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 RUNNING = "vllm:num_requests_running"
@@ -98,6 +99,64 @@ class PromptSizeEstimate:
 
     def observe(self, tokens: int) -> None:
         self.value += self.alpha * (tokens - self.value)
+
+
+class PrefillRateEstimate:
+    """The fleet's prefill throughput (tokens/s), learned from streamed requests' first bytes.
+
+    vLLM streams nothing until a request's prefill is done, so the time from dispatch to the
+    first byte is the time to prefill the tokens ahead of it plus its own uncached tokens.
+    Over the last `window` samples this fits first-byte seconds = a + tokens / rate by least
+    squares (a absorbs step overhead and decode interference) and reports the rate; until
+    `min_samples` samples with spread in their sizes exist, or when the fit is not positive,
+    the configured rate stands. Bounded: a fixed window of (tokens, seconds) pairs.
+    """
+
+    __slots__ = ("_configured", "_min", "_n", "_samples", "_sx", "_sxx", "_sxy", "_sy", "value")
+
+    def __init__(self, configured: float, window: int = 512, min_samples: int = 32) -> None:
+        self._configured = float(configured)
+        self.value = float(configured)
+        self._samples: deque[tuple[float, float]] = deque(maxlen=window)
+        self._min = min_samples
+        self._n = 0
+        self._sx = self._sy = self._sxx = self._sxy = 0.0
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        """One streamed request: tokens ahead of its first byte (queued + own uncached)."""
+        if tokens <= 0 or not 0.0 < seconds < 600.0:
+            return
+        x, y = float(tokens), float(seconds)
+        samples = self._samples
+        if len(samples) == samples.maxlen:
+            ox, oy = samples[0]
+            self._n -= 1
+            self._sx -= ox
+            self._sy -= oy
+            self._sxx -= ox * ox
+            self._sxy -= ox * oy
+        samples.append((x, y))
+        self._n += 1
+        self._sx += x
+        self._sy += y
+        self._sxx += x * x
+        self._sxy += x * y
+        self._refit()
+
+    def _refit(self) -> None:
+        n = self._n
+        if n < self._min:
+            return
+        var = n * self._sxx - self._sx * self._sx
+        # sizes must spread (a coefficient of variation of 10% at least) for a slope to mean
+        # anything; float sums drift, so guard against a tiny or negative variance
+        if var <= 0.01 * self._sx * self._sx:
+            return
+        slope = (n * self._sxy - self._sx * self._sy) / var
+        if slope <= 0:
+            return
+        # stay within a factor of 100 of the configured rate: a wild fit must not route
+        self.value = min(max(1.0 / slope, self._configured / 100), self._configured * 100)
 
 
 def parse_engine_metrics(text: str, dp_rank: int) -> tuple[float, float, float | None] | None:

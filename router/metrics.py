@@ -180,6 +180,18 @@ class RouterMetrics:
         self.registry.register(WorkerStateCollector(registry, index, events, clock))
 
 
+class ScalarGauge(Collector):
+    """One unlabelled gauge whose value is read at scrape time."""
+
+    def __init__(self, name: str, doc: str, value: Callable[[], float]) -> None:
+        self._name = name
+        self._doc = doc
+        self._value = value
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily(self._name, self._doc, value=self._value())
+
+
 class WorkerStateCollector(Collector):
     """Per-worker gauges computed at scrape time."""
 

@@ -5,9 +5,11 @@ prefill, load, estimated time to first token, saturation) and returns a `Decisio
 that picture, so a decision can always be explained after the fact.
 
 Estimated TTFT of a request on worker w (seconds):
-    (queued_prefill(w) + uncached(w)) / prefill_tokens_per_s + decode_s_per_running * running(w)
-where queued_prefill counts this process's in-flight prefill tokens plus the engine's other
-waiting requests at the learned mean size, and uncached(w) = prompt tokens - reuse(w).
+    (queued_prefill(w) + uncached(w)) / prefill_rate + decode_s_per_running * running(w)
+where prefill_rate is learned from streamed first bytes (`policy.learn_prefill_rate`, starting
+from `policy.prefill_tokens_per_s`), queued_prefill counts this process's in-flight prefill
+tokens plus the engine's other waiting requests at the learned mean size, and uncached(w) =
+prompt tokens - reuse(w).
 """
 
 from __future__ import annotations
@@ -78,11 +80,21 @@ class LoadModel:
     """Turns a worker's load and a request's uncached tokens into an estimated TTFT."""
 
     def __init__(
-        self, cfg: PolicyConfig, mean_prompt: Callable[[], float], stale_after_s: float
+        self,
+        cfg: PolicyConfig,
+        mean_prompt: Callable[[], float],
+        stale_after_s: float,
+        prefill_rate: Callable[[], float] | None = None,
     ) -> None:
         self.cfg = cfg
         self._mean_prompt = mean_prompt
         self._stale = stale_after_s
+        # learned from first bytes (router.load.PrefillRateEstimate), else the configured one
+        self._rate = prefill_rate or (lambda: cfg.prefill_tokens_per_s)
+
+    def seconds_per_token(self) -> float:
+        """Prefill seconds per uncached token, as the estimates use it now."""
+        return 1.0 / self._rate()
 
     def candidate(self, worker: Worker, reuse: int | None, n_tokens: int, now: float) -> Candidate:
         return self.candidates([worker], {worker.name: reuse}, n_tokens, now)[0]
@@ -92,7 +104,7 @@ class LoadModel:
     ) -> list[Candidate]:
         """One Candidate per worker (a tight loop: this runs for every worker per request)."""
         cfg = self.cfg
-        inv_rate = 1.0 / cfg.prefill_tokens_per_s
+        inv_rate = self.seconds_per_token()
         per_running = cfg.decode_s_per_running
         sat_queue = cfg.saturation_queue_s
         max_running = cfg.max_running_per_worker
@@ -274,7 +286,7 @@ class TTFTPolicy(Policy):
             covered = coverage.get(c.name)
             if covered:
                 c.affinity = max(0, min(covered, n) - (c.reuse or 0))
-        return weight / self.cfg.prefill_tokens_per_s
+        return weight * self.load_model.seconds_per_token()
 
 
 class FullAttentionOnlyPolicy(TTFTPolicy):

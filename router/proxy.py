@@ -31,7 +31,7 @@ from router.errors import (
     error_body,
     sse_error,
 )
-from router.load import LoadTicket, PromptSizeEstimate
+from router.load import LoadTicket, PrefillRateEstimate, PromptSizeEstimate
 from router.metrics import RouterMetrics
 from router.openai_request import (
     CHAT,
@@ -136,6 +136,7 @@ class Proxy:
         metrics: RouterMetrics,
         prompt_size: PromptSizeEstimate,
         clock: Callable[[], float] = time.monotonic,
+        prefill_rate: PrefillRateEstimate | None = None,
     ) -> None:
         self._cfg = cfg
         self._routing = routing
@@ -145,6 +146,7 @@ class Proxy:
         self._decisions = decisions
         self._metrics = metrics
         self._prompt_size = prompt_size
+        self._prefill_rate = prefill_rate
         self._clock = clock
         self._budget = RetryBudget(cfg.retry.budget_ratio, cfg.retry.budget_min_per_s)
         self._backoff = Backoff(cfg.retry)
@@ -329,8 +331,16 @@ class Proxy:
         ticket = LoadTicket(worker.load, cand.uncached)
         self._prompt_size.observe(cand.uncached)
         self._routing.expect(worker, prompt)
-        loop = asyncio.get_running_loop()
-        prefill_timer = loop.call_later(max(cand.est_ttft_s, 0.001), ticket.prefill_done)
+        # A stream's first byte marks the end of its prefill (vLLM sends nothing before);
+        # a whole response only comes at the end, so its prefill is assumed done at the
+        # estimated TTFT.
+        prefill_timer = (
+            None
+            if req.stream
+            else asyncio.get_running_loop().call_later(
+                max(cand.est_ttft_s, 0.001), ticket.prefill_done
+            )
+        )
         headers = req.headers
         if worker.url_shared:
             headers = [*headers, ("x-data-parallel-rank", str(worker.spec.dp_rank))]
@@ -353,6 +363,10 @@ class Proxy:
                     return _Failure(cause, None, (resp.status, _resp_headers(resp), data))
                 if req.stream and resp.status == 200:
                     first = await resp.next_chunk()
+                    if self._prefill_rate is not None and first:
+                        self._prefill_rate.observe(
+                            cand.queued_tokens + cand.uncached, time.perf_counter() - dispatched
+                        )
                 else:
                     first = await resp.read()
             except UpstreamTimeout as exc:
@@ -391,7 +405,8 @@ class Proxy:
                 self._verify(worker, cand, req, prompt, record, usage)
             return resp.status
         finally:
-            prefill_timer.cancel()
+            if prefill_timer is not None:
+                prefill_timer.cancel()
             ticket.finish()
             if not verdict:
                 breaker.release()

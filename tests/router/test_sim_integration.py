@@ -293,3 +293,38 @@ def test_in_process_zmq_subscription_and_engine_load() -> None:
             assert engine is not None and engine["kv_usage"] is not None
 
     asyncio.run(go())
+
+
+def test_router_learns_the_engines_prefill_rate_from_streamed_first_bytes() -> None:
+    """Configured 100x too fast, the router learns the simulated GPU's prefill rate from the
+    first bytes of streamed requests (the sim, like vLLM, sends nothing before the prefill)."""
+    from sim.timing import DEFAULT_GPU, chunk_context
+
+    speed = 1.0
+
+    def modelled_s(n: int) -> float:  # one prefill chunk alone on the modelled GPU
+        return DEFAULT_GPU.step_seconds(n, chunk_context(0, n), 0, 0) / speed
+
+    true_rate = (1800 - 200) / (modelled_s(1800) - modelled_s(200))
+
+    async def go() -> float:
+        router = {"policy": {"name": "ttft", "prefill_tokens_per_s": 100 * true_rate}}
+        async with sim_fleet(1, engine={"speed": speed}, router=router) as r:
+            for i in range(48):
+                words = 200 + (i * 37) % 1600  # distinct prompts, spread sizes, no reuse
+                body = {
+                    "model": MODEL,
+                    "prompt": f"p{i} " + " ".join(f"t{i}x{k}" for k in range(words // 3)),
+                    "max_tokens": 1,
+                    "stream": True,
+                }
+                async with r.client.stream("POST", "/v1/completions", json=body) as resp:
+                    assert resp.status_code == 200
+                    async for _ in resp.aiter_bytes():
+                        pass
+            text = (await r.client.get("/metrics")).text
+        line = next(x for x in text.splitlines() if x.startswith("kvroute_prefill_tokens_per"))
+        return float(line.split()[-1])
+
+    learned = asyncio.run(go())
+    assert true_rate / 2.5 < learned < true_rate * 2.5, (learned, true_rate)

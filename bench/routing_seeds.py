@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.report import fmt, markdown_table
+from bench.report import fmt, markdown_table, routing_markdown, routing_plot
 from bench.routing_bench import build_config, parse_args, run_profile
 from bench.stats import percentile
 
@@ -78,6 +78,9 @@ def aggregate(per_seed: dict[int, dict[str, Any]], run_dirs: dict[int, Path]) ->
             {
                 "name": name,
                 "label": labels[name],
+                "earlier_run": next(
+                    (r["earlier_run"] for r in rows.values() if r.get("earlier_run")), None
+                ),
                 "seeds": sorted(rows),
                 "cached_ratio": _spread([x for r in rows.values() if (x := _ratio(r)) is not None]),
                 "ttft_p50": _spread([r["summary"]["ttft_p50"] for r in rows.values()]),
@@ -154,6 +157,15 @@ def markdown(profile: str, agg: dict[str, Any], first: dict[str, Any], command: 
         for r in agg["routers"]
     ]
     lines += [markdown_table(headers, rows), ""]
+    carried = sorted(
+        {f"{r['label']} ({r['earlier_run']})" for r in agg["routers"] if r.get("earlier_run")}
+    )
+    if carried:
+        lines += [
+            "Not re-run in this run (rows kept from the earlier run of the same seeds and fleet, "
+            f"dated): {', '.join(carried)}.",
+            "",
+        ]
     if agg["paired"]:
         ref = agg["reference"]
         lines += [
@@ -181,7 +193,23 @@ def markdown(profile: str, agg: dict[str, Any], first: dict[str, Any], command: 
     return "\n".join(lines)
 
 
-def _split_args(argv: Sequence[str]) -> tuple[list[int], list[str]]:
+def merge_earlier(new: dict[str, Any], earlier: dict[str, Any] | None) -> dict[str, Any]:
+    """``new`` with the rows of ``earlier`` for routers it did not run, in earlier's order.
+
+    Carried rows get ``earlier_run`` (that run's date) so tables can say they were not re-run."""
+    if earlier is None:
+        return new
+    fresh = {r["name"]: r for r in new["routers"]}
+    rows = []
+    for row in earlier["routers"]:
+        if row["name"] in fresh:
+            rows.append(fresh.pop(row["name"]))
+        else:
+            rows.append({**row, "earlier_run": row.get("earlier_run", earlier.get("created"))})
+    return {**new, "routers": rows + list(fresh.values())}
+
+
+def _split_args(argv: Sequence[str]) -> tuple[list[int], list[str], bool]:
     p = argparse.ArgumentParser(
         prog="python -m bench.routing_seeds",
         description=__doc__,
@@ -190,18 +218,24 @@ def _split_args(argv: Sequence[str]) -> tuple[list[int], list[str]]:
         allow_abbrev=False,  # "--seed" must not be taken for "--seeds"
     )
     p.add_argument("--seeds", default="0,1,2", help="comma list of trace seeds")
+    p.add_argument(
+        "--keep-other-routers",
+        action="store_true",
+        help="re-run only --routers: the other routers' rows (and records) of an earlier run in "
+        "the same output directory stay in each seed's results, marked with that run's date",
+    )
     known, rest = p.parse_known_args(argv)
     seeds = [int(s) for s in known.seeds.split(",") if s.strip()]
     if not seeds:
         p.error("--seeds needs at least one seed")
     if "--seed" in rest:
         p.error("use --seeds, not --seed")
-    return seeds, rest
+    return seeds, rest, known.keep_other_routers
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    seeds, rest = _split_args(argv)
+    seeds, rest, keep_others = _split_args(argv)
     base = parse_args(rest)
     out_root = Path(base.out_dir)
     command = "python -m bench.routing_seeds " + shlex.join(argv)
@@ -220,7 +254,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             cfg = configs[seed]
             cfg.out_dir.mkdir(parents=True, exist_ok=True)
             t0 = time.monotonic()
-            per_seed[seed] = run_profile(cfg, profile, command + f" (seed {seed})")
+            seed_stem = cfg.out_dir / f"routing_{profile}{cfg.suffix}"
+            earlier = None
+            if keep_others and seed_stem.with_suffix(".json").exists():
+                earlier = json.loads(seed_stem.with_suffix(".json").read_text())
+            result = run_profile(cfg, profile, command + f" (seed {seed})")
+            if earlier is not None:
+                result = merge_earlier(result, earlier)
+                seed_stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+                seed_stem.with_suffix(".md").write_text(routing_markdown(result))
+                routing_plot(result, seed_stem.with_suffix(".png"))
+            per_seed[seed] = result
             run_dirs[seed] = cfg.out_dir / "runs" / f"routing_{profile}{cfg.suffix}"
             failed += sum(1 for r in per_seed[seed]["routers"] if r["status"] == "failed")
             print(f"[{profile}] seed {seed} done in {time.monotonic() - t0:.0f}s", file=sys.stderr)

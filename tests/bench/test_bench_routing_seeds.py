@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from bench.routing_seeds import _split_args, aggregate, markdown
+from bench.routing_seeds import _split_args, aggregate, markdown, merge_earlier
 
 
 def _row(name: str, p50: float, p99: float, cached: int, status: str = "ok") -> dict[str, Any]:
@@ -77,9 +77,24 @@ def test_aggregate_medians_pooled_and_paired(tmp_path: Path) -> None:
 
 
 def test_seed_arguments() -> None:
-    seeds, rest = _split_args(["--seeds", "3,5", "--profile", "swa"])
-    assert seeds == [3, 5] and rest == ["--profile", "swa"]
+    seeds, rest, keep = _split_args(["--seeds", "3,5", "--profile", "swa"])
+    assert seeds == [3, 5] and rest == ["--profile", "swa"] and not keep
+    assert _split_args(["--keep-other-routers"])[2]
     with pytest.raises(SystemExit):
         _split_args(["--seeds", "1", "--seed", "2"])
     with pytest.raises(SystemExit):
         _split_args(["--seeds", ","])
+
+
+def test_rows_of_routers_not_rerun_are_kept_and_marked() -> None:
+    earlier = {
+        "created": "day 1",
+        "routers": [_row("kvroute", 0.2, 2.0, 500), _row("smg", 0.1, 1.0, 600)],
+    }
+    new = {"created": "day 2", "routers": [_row("kvroute", 0.15, 1.5, 700)]}
+    merged = merge_earlier(new, earlier)
+    assert [r["name"] for r in merged["routers"]] == ["kvroute", "smg"]
+    kv, smg = merged["routers"]
+    assert kv["summary"]["ttft_p50"] == 0.15 and "earlier_run" not in kv
+    assert smg["earlier_run"] == "day 1" and smg["summary"]["ttft_p50"] == 0.1
+    assert merge_earlier(new, None) is new

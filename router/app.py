@@ -223,8 +223,16 @@ def create_app(
     metrics.registry.register(
         ScalarGauge(
             "kvroute_prefill_tokens_per_second",
-            "Prefill rate the policy converts tokens to seconds with (learned or configured)",
+            "Prefill rate the policy converts tokens to seconds with (configured or learned)",
             lambda: 1.0 / load_model.seconds_per_token(),
+        )
+    )
+    metrics.registry.register(
+        ScalarGauge(
+            "kvroute_prefill_tokens_per_second_measured",
+            "Prefill rate measured from streamed first bytes (policy.prefill_tokens_per_s "
+            "until enough streams were seen)",
+            lambda: prefill_rate.value,
         )
     )
 

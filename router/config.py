@@ -62,9 +62,10 @@ class PolicyConfig:
         20000.0, "a worker's prefill throughput, tokens/s (converts tokens to seconds)"
     )
     learn_prefill_rate: bool = _f(
-        True,
-        "learn the prefill rate from streamed responses' first bytes (prefill_tokens_per_s is "
-        "then only the starting value); false: always use prefill_tokens_per_s",
+        False,
+        "route with the prefill rate measured from streamed first bytes (prefill_tokens_per_s "
+        "is then only the starting value); off by default: on the routing benchmark it made "
+        "the policy balance load more and reuse 2-3 points less (see README)",
     )
     decode_s_per_running: float = _f(
         0.001, "TTFT added per request already running on a worker (decode steps interleave)"

@@ -308,7 +308,13 @@ def test_router_learns_the_engines_prefill_rate_from_streamed_first_bytes() -> N
     true_rate = (1800 - 200) / (modelled_s(1800) - modelled_s(200))
 
     async def go() -> float:
-        router = {"policy": {"name": "ttft", "prefill_tokens_per_s": 100 * true_rate}}
+        router = {
+            "policy": {
+                "name": "ttft",
+                "prefill_tokens_per_s": 100 * true_rate,
+                "learn_prefill_rate": True,
+            }
+        }
         async with sim_fleet(1, engine={"speed": speed}, router=router) as r:
             for i in range(48):
                 words = 200 + (i * 37) % 1600  # distinct prompts, spread sizes, no reuse
@@ -323,8 +329,16 @@ def test_router_learns_the_engines_prefill_rate_from_streamed_first_bytes() -> N
                     async for _ in resp.aiter_bytes():
                         pass
             text = (await r.client.get("/metrics")).text
-        line = next(x for x in text.splitlines() if x.startswith("kvroute_prefill_tokens_per"))
-        return float(line.split()[-1])
+        values = {
+            x.split()[0]: float(x.split()[-1])
+            for x in text.splitlines()
+            if x.startswith("kvroute_prefill_tokens_per_second")
+        }
+        # with learn_prefill_rate on, the policy uses what was measured
+        assert values["kvroute_prefill_tokens_per_second"] == pytest.approx(
+            values["kvroute_prefill_tokens_per_second_measured"]
+        )
+        return values["kvroute_prefill_tokens_per_second_measured"]
 
     learned = asyncio.run(go())
     assert true_rate / 2.5 < learned < true_rate * 2.5, (learned, true_rate)

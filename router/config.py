@@ -67,6 +67,12 @@ class PolicyConfig:
         "is then only the starting value); off by default: on the routing benchmark it made "
         "the policy balance load more and reuse 2-3 points less (see README)",
     )
+    queue_weight: float = _f(
+        0.25,
+        "weight of a worker's queued prefill in the TTFT estimate; below 1 a request stays "
+        "with its cache longer before load is balanced (moving it leaves a second copy of the "
+        "prefix that crowds the cache); 1 = the TTFT estimate as such",
+    )
     decode_s_per_running: float = _f(
         0.001, "TTFT added per request already running on a worker (decode steps interleave)"
     )

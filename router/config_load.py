@@ -269,6 +269,7 @@ def validate(c: RouterConfig) -> list[str]:
         need(getattr(p, key) > 0, f"policy.{key}: expected a number > 0")
     need(p.decode_s_per_running >= 0, "policy.decode_s_per_running: expected >= 0")
     need(p.affinity_weight >= 0, "policy.affinity_weight: expected >= 0")
+    need(p.queue_weight >= 0, "policy.queue_weight: expected >= 0")
     need(p.session_bounded_load >= 1, "policy.session_bounded_load: expected >= 1")
     need(0 < p.kv_usage_saturation <= 1, "policy.kv_usage_saturation: expected in (0, 1]")
     need(p.max_running_per_worker >= 1, "policy.max_running_per_worker: expected >= 1")

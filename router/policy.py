@@ -5,7 +5,8 @@ prefill, load, estimated time to first token, saturation) and returns a `Decisio
 that picture, so a decision can always be explained after the fact.
 
 Estimated TTFT of a request on worker w (seconds):
-    (queued_prefill(w) + uncached(w)) / prefill_rate + decode_s_per_running * running(w)
+    (queue_weight * queued_prefill(w) + uncached(w)) / prefill_rate
+        + decode_s_per_running * running(w)
 where prefill_rate is learned from streamed first bytes (`policy.learn_prefill_rate`, starting
 from `policy.prefill_tokens_per_s`), queued_prefill counts this process's in-flight prefill
 tokens plus the engine's other waiting requests at the learned mean size, and uncached(w) =
@@ -106,6 +107,7 @@ class LoadModel:
         cfg = self.cfg
         inv_rate = self.seconds_per_token()
         per_running = cfg.decode_s_per_running
+        queue_weight = cfg.queue_weight
         sat_queue = cfg.saturation_queue_s
         max_running = cfg.max_running_per_worker
         kv_sat = cfg.kv_usage_saturation
@@ -133,7 +135,7 @@ class LoadModel:
             else:
                 uncached = n_tokens - r
             queue_s = queued * inv_rate
-            est = queue_s + uncached * inv_rate + per_running * running
+            est = queue_weight * queue_s + uncached * inv_rate + per_running * running
             saturated = (
                 queue_s > sat_queue or running >= max_running or (kv is not None and kv >= kv_sat)
             )

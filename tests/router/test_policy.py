@@ -55,6 +55,17 @@ def test_queue_outweighs_small_reuse() -> None:
     assert d.chosen is not None and d.chosen.name == "w0"  # 6 s beats 10 s
 
 
+def test_queue_weight_keeps_requests_with_their_cache_longer() -> None:
+    ws = fleet(2)
+    LoadTicket(ws[0].load, 3000)  # 0.3 s of prefill queued on w0, which holds 2,000 tokens
+    req = RouteInput(4000, {"w0": 2000, "w1": 0}, None)
+    for weight, expected in ((1.0, "w1"), (0.25, "w0")):
+        cfg, lm = policy(prefill_tokens_per_s=10_000.0, queue_weight=weight)
+        d = make_policy(cfg, lm).decide(ws, req, 0.0)
+        # weight 1: 0.3 + 0.2 s on w0 against 0.4 s on w1; weight 0.25: 0.075 + 0.2 s
+        assert d.chosen is not None and d.chosen.name == expected, weight
+
+
 def test_spill_when_cache_best_is_saturated() -> None:
     cfg, lm = policy(max_running_per_worker=4)
     p = make_policy(cfg, lm)

@@ -121,13 +121,13 @@ BS = 2
 _WIDTHS = (8, 8, 8, 16, 4)  # hash lengths by prompt: mostly vLLM's 8 bytes, some others
 
 
-def _h(prompt: int, tokens: tuple[int, ...]) -> bytes:
+def _h(prompt: int, tokens: tuple[int, ...], salt: str) -> bytes:
     width = _WIDTHS[prompt % len(_WIDTHS)]
     if prompt == 3 and len(tokens) // BS % 2:
         width = 8  # prompt 3 mixes 8- and 16-byte hashes within a record
-    if prompt == 0 and len(tokens) == BS:
+    if prompt == 0 and len(tokens) == BS and not salt:
         return bytes(8)  # a hash of 0: kept apart from the packed table
-    value = hash((prompt % 2, tokens)) & (2**64 - 1)
+    value = hash((prompt % 2, salt, tokens)) & (2**64 - 1)  # the salt is in vLLM's hash too
     return (value.to_bytes(8, "big") * 2)[:width]
 
 
@@ -155,12 +155,12 @@ def _stores(op: tuple[Any, ...], prompts: list[list[int]]) -> list[dict[str, Any
     stop = min(start + length, len(toks) // BS)
     if start >= stop:
         return []
-    hashes = [_h(p, tuple(toks[: (i + 1) * BS])) for i in range(start, stop)]
+    hashes = [_h(p, tuple(toks[: (i + 1) * BS]), salt) for i in range(start, stop)]
     dense = dict(
         operation=STORE,
         group_id=0,
         block_hashes=hashes,
-        parent_block_hash=_h(p, tuple(toks[: start * BS])) if start else b"",
+        parent_block_hash=_h(p, tuple(toks[: start * BS]), salt) if start else b"",
         token_ids=toks[start * BS : stop * BS],
         block_size=BS,
         kind="full_attention",

@@ -29,8 +29,8 @@ are held as keys (bridge.copy_table: an 8-byte hash as a 64-bit int), a record's
 array('Q') (8 bytes a block; a list only for other lengths), its tokens packed 2-4 bytes
 each (bridge.packed_tokens); records are named by reusable slots, and each group's
 attribution is a `CopyTable`, an open-addressing table of key -> slot arrays (12 bytes a
-slot) instead of a dict of bytes objects. Copies, order and snapshots are as they were with
-dicts (tests/bridge/test_bridge_state_model.py checks it against that implementation).
+slot) instead of a dict of bytes objects (tests/bridge/test_bridge_state_model.py checks
+the state against a small model of these promises).
 
 Bounds: `max_blocks` live copies (beyond it the oldest records are dropped and counted: a
 late subscriber then sees less than the engine holds, never more), `max_lineage_blocks`

@@ -2,25 +2,31 @@
 
 - `CopyTable` against a dict of lists (copy order, newest withdrawn first), over keys that
   collide, repeat, grow the table and shift entries back on deletion, the key 0 and bytes.
-- `EngineState` against the previous dict-based implementation (dict_state_reference.py)
-  and a plain copy counter, over random store/remove/clear/invalid streams with repeated
-  copies, 8-byte, zero and other-length hashes, sparse groups and all three bounds: every
-  applied batch, counter and snapshot must be identical.
+- `EngineState` against `Model`, a small model of what it promises, over random
+  store/remove/clear/invalid streams with repeated copies, 8-byte, zero and other-length
+  hashes, sparse groups and all three bounds: applied batches, copy counts, records and
+  counters exactly (max_blocks eviction included); the lineage bound by invariants; and each
+  snapshot by its meaning to a subscriber (groups, copies, and the content key the real
+  indexer gives each block), never a wrong position and every position it must give.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
-from dict_state_reference import EngineState as ReferenceState
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bridge.copy_table import CopyTable, Key, hash_of, hashes_of, key_of, keys_of
 from bridge.state import EngineState
-from proto.events_pb2 import KvEventBatch, KvGroupEvent
+from indexer.keys import Namespace, content_keys
+from indexer.lineage import Lineage
+from indexer.presence import DictSink
+from proto.events_pb2 import KvEventBatch, KvGroupEvent, Snapshot
 
 STORE, REMOVE, CLEAR, INVALID = (
     KvGroupEvent.STORE,
@@ -115,19 +121,232 @@ def test_copy_table_grows_and_keeps_every_key() -> None:
     assert all(table.count(k) == 0 for k in keys[::2])
 
 
-# -- EngineState against the previous implementation ----------------------------------------
+# -- EngineState against a small model of what it promises --------------------------------
+
+
+@dataclass(eq=False)
+class _Rec:
+    """A record (bridge.state): one STORE, or a dense chain of STOREs appended to it."""
+
+    meta: tuple[Any, ...]  # (group, block size, kind, window, lora, unmatchable)
+    hashes: list[bytes]
+    dense: bool
+    # The live records holding its anchor (its parent; a sparse record's last hash) when it
+    # came: the state keeps one of them as its lineage. Anchored: the state keeps its
+    # position chain down to token 0 (sure if the anchor was held and they all are).
+    cands: list[_Rec]
+    anchored: bool
+    live: int = 0
+
+
+class Model:
+    """EngineState's promises with plain dicts: per group, hash -> the records holding its
+    copies, oldest first (REMOVE withdraws the newest); live records, oldest first (one
+    appended to moves to the end; past max_blocks the oldest go, counted); the groups; and
+    each dense block's link (parent, tokens, salt), which gives its position."""
+
+    def __init__(self, max_blocks: int, max_groups: int) -> None:
+        self.max_blocks, self.max_groups = max_blocks, max_groups
+        self.groups: dict[int, list[Any]] = {}  # group -> [kind, window, largest block size]
+        self.last_sequence: int | None = None
+        self.evicted = self.unknown = self.invalid = 0
+        self._clear()
+
+    def _clear(self, invalid: bool = False) -> None:  # INVALID: groups go too, counted
+        self.invalid += invalid
+        self.groups = {} if invalid else self.groups
+        self.copies: dict[int, dict[bytes, list[_Rec]]] = {}
+        self.records: dict[_Rec, None] = {}
+        self.tails: dict[int, dict[bytes, _Rec]] = {}  # group -> last hash -> dense record
+        self.links: dict[bytes, tuple[bytes, tuple[int, ...], str]] = {}
+        self.spans: set[tuple[int, bytes, tuple[int, ...]]] = set()  # of sparse STOREs
+        self.blocks = 0
+
+    def apply(self, batch: KvEventBatch) -> KvEventBatch:
+        out = KvEventBatch(
+            sequence=batch.sequence, timestamp=batch.timestamp, dp_rank=batch.dp_rank
+        )
+        for ev in batch.events:
+            if ev.operation == STORE:
+                if not self._declare(ev):  # a contradiction: INVALID first, for everyone
+                    out.events.add(operation=INVALID, group_id=ev.group_id)
+                    self._clear(invalid=True)
+                    self._declare(ev)
+                self._store(ev)
+            elif ev.operation == REMOVE:
+                table = self.copies.get(ev.group_id, {})
+                for x in ev.block_hashes:
+                    if x in table:
+                        self._withdraw(table, x, table[x][-1])  # the newest copy
+                    else:
+                        self.unknown += 1
+            elif ev.operation == CLEAR:
+                self._clear()
+            else:
+                self._clear(invalid=True)
+            out.events.append(ev)
+        self.last_sequence = batch.sequence
+        return out
+
+    def _declare(self, ev: KvGroupEvent) -> bool:  # (the test's events always name a kind)
+        if ev.group_id not in self.groups and len(self.groups) >= self.max_groups:
+            return False
+        group = self.groups.setdefault(ev.group_id, [ev.kind, ev.sliding_window, 0])
+        group[2] = max(group[2], ev.block_size)
+        return group[:2] == [ev.kind, ev.sliding_window]
+
+    def _store(self, ev: KvGroupEvent) -> None:
+        hashes, parent, bs = list(ev.block_hashes), ev.parent_block_hash, ev.block_size
+        group, dense = ev.group_id, len(ev.token_ids) == len(hashes) * bs
+        if not hashes:
+            return
+        meta = (group, bs, ev.kind, ev.sliding_window, ev.lora_name, ev.unmatchable)
+        tails = self.tails.setdefault(group, {})
+        rec = tails.get(parent) if dense and parent and not ev.cache_salt else None
+        if rec is not None and rec.meta == meta:  # appended to the record ending at parent
+            del tails[parent], self.records[rec]
+            rec.hashes += hashes
+        else:
+            anchor = parent if dense else hashes[-1]  # b"": it starts at token 0
+            cands = [r for r in self.records if anchor in r.hashes]
+            held = any(anchor in table for table in self.copies.values())
+            anchored = not anchor or (held and all(r.anchored for r in cands))
+            rec = _Rec(meta, hashes, dense, cands, anchored)
+        self.records[rec] = None
+        if dense:
+            tails[hashes[-1]] = rec
+            for i, x in enumerate(hashes):  # link: (parent, block tokens, salt)
+                tokens = tuple(ev.token_ids[i * bs : (i + 1) * bs])
+                self.links.setdefault(x, (hashes[i - 1] if i else parent, tokens, ev.cache_salt))
+        else:
+            self.spans.add((group, parent, tuple(ev.token_ids)))
+        table = self.copies.setdefault(group, {})
+        for x in hashes:
+            table.setdefault(x, []).append(rec)
+        rec.live += len(hashes)
+        self.blocks += len(hashes)
+        while self.blocks > self.max_blocks:  # the oldest record goes, counted
+            old = next(iter(self.records))
+            for x in old.hashes:
+                if old in self.copies[old.meta[0]].get(x, ()):
+                    self._withdraw(self.copies[old.meta[0]], x, old)
+                    self.evicted += 1
+
+    def _withdraw(self, table: dict[bytes, list[_Rec]], x: bytes, rec: _Rec) -> None:
+        table[x].remove(rec)
+        if not table[x]:
+            del table[x]
+        self.blocks -= 1
+        rec.live -= 1
+        if rec.live == 0:
+            del self.records[rec]
+            if rec.dense and self.tails[rec.meta[0]].get(rec.hashes[-1]) is rec:
+                del self.tails[rec.meta[0]][rec.hashes[-1]]
+
+    # -- the model's view ------------------------------------------------------------------
+
+    def counts(self) -> Counter[tuple[int, bytes]]:
+        return Counter({(g, x): len(rs) for g, t in self.copies.items() for x, rs in t.items()})
+
+    def chain(self, x: bytes) -> list[bytes]:
+        """x and its ancestors as far as links go: ending in b"" when they reach token 0."""
+        out = [x]
+        while out[-1] in self.links:
+            out.append(self.links[out[-1]][0])
+        return out
+
+    def key(self, x: bytes) -> int | None:
+        """x's content key (indexer.keys), or None if its links do not reach token 0."""
+        *chain, root = self.chain(x)
+        if root:
+            return None
+        tokens = [t for h in reversed(chain) for t in self.links[h][1]]
+        salt = next((self.links[h][2] for h in chain if self.links[h][2]), "")
+        return content_keys(tokens, Namespace(cache_salt=salt), BS)[-1]
+
+    def lineage_bound(self) -> int:
+        """The most lineage the state may keep: blocks of dropped records reachable from a
+        live one through `cands`."""
+        seen: set[_Rec] = set()
+        todo = list(self.records)
+        while todo:
+            if (r := todo.pop()) not in seen:
+                seen.add(r)
+                todo += r.cands
+        return sum(len(r.hashes) for r in seen if r not in self.records)
+
+    def must_place(self, lineage_intact: bool) -> set[bytes]:
+        """Held blocks a snapshot must place: those whose chain to token 0 dense records
+        hold (events alone place them) and, while no lineage was dropped, those an anchored
+        record holds whose chain no unanchored dense record holds (lineage places them)."""
+        holders = [(x, r) for t in self.copies.values() for x, rs in t.items() for r in rs]
+        dense = {x for x, r in holders if r.dense}
+        loose = {x for x, r in holders if r.dense and not r.anchored}
+        out = {x for x in dense if set(self.chain(x)) <= dense | {b""}}
+        if lineage_intact:
+            out |= {x for x, r in holders if r.anchored and not loose & set(self.chain(x))}
+        return out
+
+
+def meaning(snap: Snapshot) -> tuple[dict[int, Any], Counter[tuple[int, bytes]], dict[bytes, int]]:
+    """What a subscriber learns from a snapshot: the groups declared, copies by (group,
+    hash), and the content key (position and namespace) the real indexer gives each block."""
+    n = sum(1 for _ in itertools.takewhile(lambda e: not e.block_hashes, snap.events))
+    declared = {e.group_id: (e.kind, e.sliding_window, e.block_size) for e in snap.events[:n]}
+    assert all(e.operation == STORE and e.block_hashes for e in snap.events[n:])
+    dense = [
+        e
+        for e in snap.events
+        if e.block_hashes and len(e.token_ids) == len(e.block_hashes) * e.block_size
+    ]
+    all_dense = {x for e in dense for x in e.block_hashes}
+    placed: set[bytes] = set()
+    for e in dense:  # parents before children
+        assert e.parent_block_hash not in all_dense or e.parent_block_hash in placed
+        placed.update(e.block_hashes)
+    assert all(len(e.token_ids) == len(e.block_hashes) * e.block_size for e in snap.lineage)
+    counts = Counter((e.group_id, x) for e in snap.events for x in e.block_hashes)
+    view = Lineage(DictSink(), BS, 10**6, 10**6)
+    view.apply_batch(snap.events, lineage=snap.lineage)
+    assert (view.conflicts, view.malformed, view.pending_evicted) == (0, 0, 0)
+    keys = {x: k for _, x in counts if (k := view.content_key(x)) is not None}
+    return declared, counts, keys
+
+
+def check_snapshot(state: EngineState, model: Model, reason: str) -> None:
+    snap = state.snapshot(stream_id="s", reason=reason)
+    assert (snap.dp_rank, snap.stream_id, snap.reason) == (0, "s", reason)
+    seq = model.last_sequence
+    assert (snap.has_sequence, snap.sequence) == (seq is not None, seq or 0)
+    declared, counts, keys = meaning(snap)
+    assert declared == {g: tuple(v) for g, v in model.groups.items()} == state.groups
+    assert counts == model.counts()
+    for e in snap.events:  # a sparse record's span is its STORE's (or none: never dense)
+        span = (e.group_id, e.parent_block_hash, tuple(e.token_ids))
+        if e.block_hashes and len(e.token_ids) != len(e.block_hashes) * e.block_size:
+            assert not e.token_ids or span in model.spans
+    assert all(key == model.key(x) for x, key in keys.items())  # never a wrong position
+    assert model.must_place(state.stats.evicted_lineage_blocks == 0) <= keys.keys()
+    # Re-applied to a fresh state, the snapshot's events snapshot to the same copies, and
+    # to the same positions unless some came from lineage (which it cannot re-apply).
+    again = EngineState()
+    again.apply(KvEventBatch(sequence=seq or 0, events=snap.events))
+    declared2, counts2, keys2 = meaning(again.snapshot())
+    assert (declared2, counts2) == (declared, counts) and keys2.items() <= keys.items()
+    assert keys2 == keys or snap.lineage
+
 
 BS = 2
 _WIDTHS = (8, 8, 8, 16, 4)  # hash lengths by prompt: mostly vLLM's 8 bytes, some others
 
 
-def _h(prompt: int, tokens: tuple[int, ...]) -> bytes:
+def _h(prompt: int, tokens: tuple[int, ...], salt: str) -> bytes:
     width = _WIDTHS[prompt % len(_WIDTHS)]
     if prompt == 3 and len(tokens) // BS % 2:
         width = 8  # prompt 3 mixes 8- and 16-byte hashes within a record
-    if prompt == 0 and len(tokens) == BS:
+    if prompt == 0 and len(tokens) == BS and not salt:
         return bytes(8)  # a hash of 0: kept apart from the packed table
-    value = hash((prompt % 2, tokens)) & (2**64 - 1)
+    value = hash((prompt % 2, salt, tokens)) & (2**64 - 1)  # the salt is in vLLM's hash too
     return (value.to_bytes(8, "big") * 2)[:width]
 
 
@@ -145,7 +364,7 @@ _state_op = st.one_of(
     *[_store_op] * 6,
     *[_remove_op] * 4,
     st.tuples(st.just("remove_unknown"), st.integers(0, 3)),
-    st.sampled_from([("clear",), ("invalid",), ("kind_change",)]),
+    st.sampled_from([("clear",), ("invalid",), ("kind_change",), ("drain",)]),
 )
 
 
@@ -155,12 +374,12 @@ def _stores(op: tuple[Any, ...], prompts: list[list[int]]) -> list[dict[str, Any
     stop = min(start + length, len(toks) // BS)
     if start >= stop:
         return []
-    hashes = [_h(p, tuple(toks[: (i + 1) * BS])) for i in range(start, stop)]
+    hashes = [_h(p, tuple(toks[: (i + 1) * BS]), salt) for i in range(start, stop)]
     dense = dict(
         operation=STORE,
         group_id=0,
         block_hashes=hashes,
-        parent_block_hash=_h(p, tuple(toks[: start * BS])) if start else b"",
+        parent_block_hash=_h(p, tuple(toks[: start * BS]), salt) if start else b"",
         token_ids=toks[start * BS : stop * BS],
         block_size=BS,
         kind="full_attention",
@@ -197,18 +416,6 @@ def _batch(seq: int, events: list[dict[str, Any]]) -> KvEventBatch:
     return out
 
 
-def _counters(state: Any) -> tuple[Any, ...]:
-    s = state.stats
-    return (
-        state.blocks,
-        state.lineage_blocks,
-        state.records,
-        state.groups,
-        state.last_sequence,
-        (s.evicted_blocks, s.evicted_lineage_blocks, s.unknown_removes, s.invalid_resets),
-    )
-
-
 @settings(max_examples=EXAMPLES, deadline=None)
 @given(
     st.lists(_state_op, min_size=20, max_size=80),
@@ -216,15 +423,18 @@ def _counters(state: Any) -> tuple[Any, ...]:
     st.sampled_from([1, 5, 10**6]),
     st.sampled_from([3, 64, 64]),
 )
-def test_engine_state_matches_the_dict_reference(
+def test_engine_state_matches_the_model(
     ops: list[tuple[Any, ...]], max_blocks: int, max_lineage: int, max_groups: int
 ) -> None:
     shared = list(range(900, 900 + 3 * BS))
     prompts = [shared[: (p % 3) * BS] + [70_000 * (p % 2) + p * 100 + i for i in range(12)]
                for p in range(6)]  # fmt: skip
-    bounds = dict(max_blocks=max_blocks, max_lineage_blocks=max_lineage, max_groups=max_groups)
-    state, ref = EngineState(**bounds), ReferenceState(**bounds)  # type: ignore[arg-type]
-    held: Counter[tuple[int, bytes]] = Counter()  # the plain model: copies by (group, hash)
+    state = EngineState(
+        max_blocks=max_blocks, max_lineage_blocks=max_lineage, max_groups=max_groups
+    )
+    model = Model(max_blocks, max_groups)
+    held: Counter[tuple[int, bytes]] = Counter()  # what was stored, evicted or not
+    lineage_evicted = 0
     for seq, op in enumerate(ops):
         if op[0] == "store":
             events = _stores(op, prompts)
@@ -236,6 +446,11 @@ def test_engine_state_matches_the_dict_reference(
             events = [dict(operation=REMOVE, group_id=g, block_hashes=[x]) for g, x in picked]
         elif op[0] == "remove_unknown":
             events = [dict(operation=REMOVE, group_id=op[1], block_hashes=[b"nope", bytes(8)])]
+        elif op[0] == "drain":  # every copy removed, one by one: no record and no lineage left
+            events = [
+                dict(operation=REMOVE, group_id=g, block_hashes=[x] * n)
+                for (g, x), n in held.items()
+            ]
         elif op[0] == "clear":
             events = [dict(operation=CLEAR)]
         elif op[0] == "invalid":
@@ -243,8 +458,8 @@ def test_engine_state_matches_the_dict_reference(
         else:  # group 1 changes kind: INVALID for everyone
             events = [dict(operation=STORE, group_id=1, kind="mamba", block_size=BS)]
         batch = _batch(seq, events)
-        got, expected = state.apply(batch), ref.apply(batch)
-        assert got == expected
+        got = state.apply(batch)
+        assert got == model.apply(batch)
         for ev in got.events:
             if ev.operation == STORE:
                 held.update((ev.group_id, x) for x in ev.block_hashes)
@@ -254,11 +469,26 @@ def test_engine_state_matches_the_dict_reference(
                         held[(ev.group_id, x)] -= 1
             else:
                 held.clear()
-        assert _counters(state) == _counters(ref)
-        for group, x in held:
-            assert state.copies(group, x) == ref.copies(group, x)
-            if state.stats.evicted_blocks == 0:
-                assert state.copies(group, x) == held[(group, x)]
-        if seq % 7 == 0:
-            assert state.snapshot(stream_id="s") == ref.snapshot(stream_id="s")
-    assert state.snapshot(stream_id="s", reason="r") == ref.snapshot(stream_id="s", reason="r")
+        s = state.stats
+        assert (state.blocks, state.records, state.groups, state.last_sequence) == (
+            model.blocks,
+            len(model.records),
+            {g: tuple(v) for g, v in model.groups.items()},
+            model.last_sequence,
+        )
+        assert (s.evicted_blocks, s.unknown_removes, s.invalid_resets) == (
+            model.evicted,
+            model.unknown,
+            model.invalid,
+        )
+        counts = model.counts()
+        assert counts == +held or s.evicted_blocks  # the model agrees with a plain counter
+        for group, x in {*held, *counts}:
+            assert state.copies(group, x) == counts[(group, x)]
+        # Lineage is bounded, dropped only at the bound, and kept only while a record needs it.
+        assert 0 <= state.lineage_blocks <= min(max_lineage, model.lineage_bound())
+        assert s.evicted_lineage_blocks >= lineage_evicted
+        assert s.evicted_lineage_blocks == 0 or max_lineage < 10**6
+        lineage_evicted = s.evicted_lineage_blocks
+        check_snapshot(state, model, "")
+    check_snapshot(state, model, "r")

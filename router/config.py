@@ -65,7 +65,7 @@ class PolicyConfig:
         False,
         "route with the prefill rate measured from streamed first bytes (prefill_tokens_per_s "
         "is then only the starting value); off by default: on the routing benchmark it made "
-        "the policy balance load more and reuse 2-3 points less (see README)",
+        "the policy balance load more and reuse about 2 points less (see README)",
     )
     queue_weight: float = _f(
         0.25,

@@ -112,14 +112,14 @@ class PrefillRateEstimate:
     the configured rate stands. Bounded: a fixed window of (tokens, seconds) pairs.
     """
 
-    __slots__ = ("_configured", "_min", "_n", "_samples", "_sx", "_sxx", "_sxy", "_sy", "value")
+    __slots__ = ("_configured", "_min", "_samples", "_sx", "_sxx", "_sxy", "_sy", "value")
 
     def __init__(self, configured: float, window: int = 512, min_samples: int = 32) -> None:
         self._configured = float(configured)
         self.value = float(configured)
         self._samples: deque[tuple[float, float]] = deque(maxlen=window)
         self._min = min_samples
-        self._n = 0
+        # running sums over the window, so a refit costs O(1) on the request path
         self._sx = self._sy = self._sxx = self._sxy = 0.0
 
     def observe(self, tokens: int, seconds: float) -> None:
@@ -130,13 +130,11 @@ class PrefillRateEstimate:
         samples = self._samples
         if len(samples) == samples.maxlen:
             ox, oy = samples[0]
-            self._n -= 1
             self._sx -= ox
             self._sy -= oy
             self._sxx -= ox * ox
             self._sxy -= ox * oy
         samples.append((x, y))
-        self._n += 1
         self._sx += x
         self._sy += y
         self._sxx += x * x
@@ -144,7 +142,7 @@ class PrefillRateEstimate:
         self._refit()
 
     def _refit(self) -> None:
-        n = self._n
+        n = len(self._samples)
         if n < self._min:
             return
         var = n * self._sxx - self._sx * self._sx

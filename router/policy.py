@@ -7,10 +7,10 @@ that picture, so a decision can always be explained after the fact.
 Estimated TTFT of a request on worker w (seconds):
     (queue_weight * queued_prefill(w) + uncached(w)) / prefill_rate
         + decode_s_per_running * running(w)
-where prefill_rate is learned from streamed first bytes (`policy.learn_prefill_rate`, starting
-from `policy.prefill_tokens_per_s`), queued_prefill counts this process's in-flight prefill
-tokens plus the engine's other waiting requests at the learned mean size, and uncached(w) =
-prompt tokens - reuse(w).
+where prefill_rate is `policy.prefill_tokens_per_s` (or, with `policy.learn_prefill_rate`, the
+rate measured from streamed first bytes), queued_prefill counts this process's in-flight
+prefill tokens plus the engine's other waiting requests at the learned mean size, and
+uncached(w) = prompt tokens - reuse(w).
 """
 
 from __future__ import annotations

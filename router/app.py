@@ -205,6 +205,7 @@ def create_app(
         unusable=events.unusable,
         clock=clock,
         retry_after_s=cfg.timeouts.retry_after_s,
+        partial_min_chars=cfg.tokenizer.partial_min_chars,
     )
     decisions = DecisionLog(cfg.limits.decisions_buffer)
     proxy = Proxy(

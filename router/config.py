@@ -218,6 +218,12 @@ class TokenizerConfig:
         "prompt text not in the conversation prefix cache up to this many characters is "
         "encoded on the event loop (cheaper than the hop to a thread); 0 = always a thread",
     )
+    partial_min_chars: int = _f(
+        512,
+        "a streamed request whose history is in the prefix cache and whose new text is at "
+        "least this many characters is routed on the history's ids; the new text is encoded "
+        "while the engine works (the decision waits for no encode); 0 = always encode first",
+    )
     cache_entries: int = _f(4096, "conversation prefixes whose ids are cached")
     render_timeout_s: float = _f(5.0, "timeout of one render-endpoint call")
 

@@ -261,6 +261,7 @@ def validate(c: RouterConfig) -> list[str]:
         need(Path(t).is_dir(), f"tokenizer.default: no such directory {t}")
     need(c.tokenizer.threads >= 1, "tokenizer.threads: expected >= 1")
     need(c.tokenizer.inline_chars >= 0, "tokenizer.inline_chars: expected >= 0")
+    need(c.tokenizer.partial_min_chars >= 0, "tokenizer.partial_min_chars: expected >= 0")
     need(c.tokenizer.cache_entries >= 0, "tokenizer.cache_entries: expected >= 0")
 
     p = c.policy

@@ -234,7 +234,8 @@ class Proxy:
                 f"no healthy worker can serve model `{route.name}` right now",
                 retry_after=self._cfg.timeouts.retry_after_s,
             )
-        prompt = await routing.prompt(req, route)
+        # a stream's new turn is encoded after dispatch (`_complete`), off the critical path
+        prompt = await routing.prompt(req, route, partial=req.stream)
         reuse = routing.reuse(prompt)
         decision = routing.decide(req, route, prompt, reuse)
         self._seq += 1
@@ -358,6 +359,8 @@ class Proxy:
                     cause = "429" if resp.status == 429 else "5xx"
                     return _Failure(cause, None, (resp.status, _resp_headers(resp), data))
                 if req.stream and resp.status == 200:
+                    if prompt.partial is not None:
+                        await self._complete(worker, cand, prompt, record)
                     first = await resp.next_chunk()
                     if self._prefill_rate is not None and first:
                         self._prefill_rate.observe(
@@ -408,6 +411,27 @@ class Proxy:
             if resp is not None:
                 resp.abort()  # no-op once released; drops a half-read connection
             self._registry.request_finished(worker)
+
+    async def _complete(
+        self, worker: Worker, cand: Candidate, prompt: Prompt, record: DecisionRecord
+    ) -> None:
+        """Finish a partial prompt while the engine prefills it: the whole ids, the
+        prediction for every candidate (what the verifier, the response header and the
+        decision log report) and the chosen worker's expectation. The decision stands."""
+        try:
+            if not await self._routing.complete(prompt):
+                return
+            reuse = self._routing.reuse(prompt)
+            for c in (*record.decision.candidates, cand):
+                if c.name in reuse:
+                    c.reuse = reuse[c.name]
+            record.decision.n_tokens = prompt.n_tokens
+            chosen = record.decision.chosen
+            record.decision.predicted_reuse = (chosen.reuse or 0) if chosen is not None else 0
+            self._routing.expect(worker, prompt)
+        except Exception as exc:  # the request is already with the engine: never fail it here
+            self._ratelog.error("complete", "finishing a partial prompt failed: %r", exc)
+            self._metrics.child(self._metrics.errors, "tokenize").inc()
 
     async def _stream(
         self,

@@ -29,9 +29,18 @@ _EMPTY: Mapping[str, int | None] = {}
 BYTES_PER_TOKEN_ESTIMATE = 4
 
 
+class PendingLike(Protocol):
+    @property
+    def estimated_tokens(self) -> int: ...
+
+
 class TokenizedLike(Protocol):
-    token_ids: list[int]
-    source: str
+    @property
+    def token_ids(self) -> list[int]: ...
+    @property
+    def source(self) -> str: ...
+    @property
+    def pending(self) -> PendingLike | None: ...
 
 
 class TokenizerLike(Protocol):
@@ -41,7 +50,11 @@ class TokenizerLike(Protocol):
         endpoint: str,
         body: dict[str, Any],
         worker_url_for_render: str | Callable[[], str | None] | None,
+        *,
+        partial_min_chars: int = 0,
     ) -> TokenizedLike | None: ...
+
+    async def finish(self, partial: Any) -> TokenizedLike | None: ...
 
 
 @dataclass(slots=True)
@@ -57,6 +70,9 @@ class Prompt:
     keys: Sequence[int] | None = None  # the index's keys for it, computed once (`Routing.keys`)
     # full-attention coverage of hybrid workers, found while scoring (`Routing.reuse`)
     coverage: Mapping[str, int] | None = None
+    # set while token_ids are only the prompt's start (`Routing.complete` encodes the rest);
+    # n_tokens is then an estimate
+    partial: TokenizedLike | None = None
 
 
 class Routing:
@@ -72,8 +88,10 @@ class Routing:
         unusable: Callable[[], Collection[str]] = frozenset,
         clock: Callable[[], float] = time.monotonic,
         retry_after_s: int = 1,
+        partial_min_chars: int = 0,
     ) -> None:
         self._retry_after = retry_after_s
+        self._partial_min_chars = partial_min_chars
         self._ratelog = RateLimitedLog(log, interval_s=10.0)
         self.registry = registry
         self.index = index
@@ -127,11 +145,19 @@ class Routing:
         now = self._clock()
         return any(w.takes_requests(now) for w in self.registry.serving(route.name))
 
-    async def prompt(self, req: ClientRequest, route: ModelRoute) -> Prompt:
-        """Exact token ids when the model's tokenizer can give them; TokenizeError -> 400."""
+    async def prompt(self, req: ClientRequest, route: ModelRoute, partial: bool = False) -> Prompt:
+        """Exact token ids when the model's tokenizer can give them; TokenizeError -> 400.
+
+        `partial`: the caller will `complete` the prompt once the request is on its way, so
+        a long new turn may be left unencoded (`Prompt.partial`) and the decision made on the
+        conversation's cached start."""
         try:
             got = await self._tokenizers.token_ids(
-                route.base, req.endpoint, req.body, lambda: self._render_worker(route)
+                route.base,
+                req.endpoint,
+                req.body,
+                lambda: self._render_worker(route),
+                partial_min_chars=self._partial_min_chars if partial else 0,
             )
         except ValueError as exc:  # router.tokenize.TokenizeError subclasses ValueError
             raise RouterError(TOKENIZE, str(exc), param=getattr(exc, "param", None)) from None
@@ -141,9 +167,33 @@ class Routing:
             return Prompt(None, "none", estimate, route.lora_name, req.cache_salt)
         self._metrics.child(self._metrics.token_source, got.source).inc()
         ids = got.token_ids
-        return Prompt(
-            ids, got.source, len(ids), route.lora_name, req.cache_salt, not skips_prefix_cache(req)
-        )
+        cacheable = not skips_prefix_cache(req)
+        pending = got.pending
+        if pending is not None:
+            n = max(len(ids) + 1, pending.estimated_tokens)
+            return Prompt(
+                ids, got.source, n, route.lora_name, req.cache_salt, cacheable, partial=got
+            )
+        return Prompt(ids, got.source, len(ids), route.lora_name, req.cache_salt, cacheable)
+
+    async def complete(self, prompt: Prompt) -> bool:
+        """Encode the rest of a partial prompt: True when its ids are now whole (the keys and
+        coverage of the start are dropped, so `reuse` scores the whole prompt). A rest that
+        fails leaves the start (scored as is) and returns False."""
+        if prompt.partial is None:
+            return True
+        whole = await self._tokenizers.finish(prompt.partial)
+        prompt.partial = None
+        if whole is None:  # the start alone would mislead expectations: no ids at all
+            prompt.token_ids = None
+            prompt.keys = None
+            prompt.coverage = None
+            return False
+        prompt.token_ids = whole.token_ids
+        prompt.n_tokens = len(whole.token_ids)
+        prompt.keys = None
+        prompt.coverage = None
+        return True
 
     def _render_worker(self, route: ModelRoute) -> str | None:
         workers = self.eligible(route)
@@ -215,8 +265,15 @@ class Routing:
         return decision
 
     def expect(self, worker: Worker, prompt: Prompt) -> None:
-        """Credit the chosen worker with this prompt until its events arrive (or expiry)."""
-        if prompt.token_ids is not None and prompt.cacheable and self.cfg.expect_seconds > 0:
+        """Credit the chosen worker with this prompt until its events arrive (or expiry).
+        Not for a partial prompt: on hybrid workers an expectation credits state at the
+        prompt's end, which the start's end is not."""
+        if (
+            prompt.token_ids is not None
+            and prompt.partial is None
+            and prompt.cacheable
+            and self.cfg.expect_seconds > 0
+        ):
             try:
                 self.index.expect(
                     worker.name,

@@ -19,7 +19,7 @@ from router.tokenize.chat_request import (
 from router.tokenize.encoder import TextEncoder
 from router.tokenize.errors import TokenizeError
 from router.tokenize.model_dir import ModelFiles, load_model_dir
-from router.tokenize.prefix_cache import PrefixCache
+from router.tokenize.prefix_cache import CacheHit, PrefixCache
 from router.tokenize.spec import TokenizerSpec
 from router.tokenize.template import ChatTemplate, RenderInput, choose_template, make_environment
 
@@ -28,6 +28,8 @@ from router.tokenize.template import ChatTemplate, RenderInput, choose_template,
 PieceEncoder = Callable[[Sequence[str]], list[list[int]]]
 
 _REQUEST_TEMPLATES_KEPT = 16
+# Characters per token until encodes have measured it (English text under byte-level BPE).
+_CHARS_PER_TOKEN_START = 4.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +69,9 @@ class LocalTokenizer:
         self._verify_every = verify_every
         self._verify_count = 0
         self._on_mismatch = on_mismatch
+        # measured over every encode (a ratio of sums: long encodes weigh more)
+        self._encoded_chars = 0
+        self._encoded_tokens = 0
         for source in set(self._templates.values()):
             self._compiled[source] = ChatTemplate(source, self._env)
 
@@ -143,8 +148,7 @@ class LocalTokenizer:
         self, text: str, add_special_tokens: bool, encode: PieceEncoder | None = None
     ) -> tuple[list[int], EncodeStats]:
         """Ids of `text` (from the prefix cache where possible), bounded by the spec."""
-        if len(text) > self.spec.max_prompt_tokens * 64:
-            raise TokenizeError("the prompt is too long", param="messages")
+        self.check_length(text)
         enc = encode or self.encoder.encode_pieces
         try:
             ids, stats = (
@@ -170,13 +174,30 @@ class LocalTokenizer:
         """Ids for a completions body whose prompt is text (ids prompts are handled earlier)."""
         return self.text_ids(*self.completion_text(body), encode)
 
+    def cached_prefix(self, text: str) -> CacheHit | None:
+        """The longest start of `text` whose ids the prefix cache knows (a cheap look-up:
+        one hashing pass over the text), or None."""
+        if not self._cache_enabled:
+            return None
+        return self.cache.lookup(text, self.cache.digests(text, self._cache_seed))
+
     def uncached_chars(self, text: str) -> int:
         """Characters of `text` that `text_ids` would encode (the rest comes from the
-        prefix cache): a cheap look-up that tells whether encoding is worth a thread hop."""
-        if not self._cache_enabled:
-            return len(text)
-        hit = self.cache.lookup(text, self.cache.digests(text, self._cache_seed))
+        prefix cache): tells whether encoding is worth a thread hop."""
+        hit = self.cached_prefix(text)
         return len(text) - (hit.anchor if hit is not None else 0)
+
+    @property
+    def chars_per_token(self) -> float:
+        """Characters per token of the texts encoded so far (a start value before any)."""
+        if self._encoded_tokens < 256:
+            return _CHARS_PER_TOKEN_START
+        return self._encoded_chars / self._encoded_tokens
+
+    def check_length(self, text: str) -> None:
+        """TokenizeError for a text too long to be a prompt within the spec's bound."""
+        if len(text) > self.spec.max_prompt_tokens * 64:
+            raise TokenizeError("the prompt is too long", param="messages")
 
     def completion_text(self, body: Mapping[str, Any]) -> tuple[str, bool]:
         """(prompt text, add_special_tokens) of a completions body; errors as the engine's."""
@@ -208,7 +229,13 @@ class LocalTokenizer:
 
     def _ids_plain(self, text: str, encode: PieceEncoder) -> tuple[list[int], EncodeStats]:
         ids = encode([text])[0]
+        self._measured(len(text), len(ids))
         return ids, EncodeStats(reused_tokens=0, encoded_tokens=len(ids), cache_hit=False)
+
+    def _measured(self, chars: int, tokens: int) -> None:
+        # unlocked: a lost update between threads only delays the estimate
+        self._encoded_chars += chars
+        self._encoded_tokens += tokens
 
     def _ids_cached(self, text: str, encode: PieceEncoder) -> tuple[list[int], EncodeStats]:
         digests = self.cache.digests(text, self._cache_seed)
@@ -222,6 +249,7 @@ class LocalTokenizer:
             self.cache.insert(text, digests, cut, cut + self.encoder.guard_chars, ids)
             ids = ids + encoded[1]
         new = sum(len(p) for p in encoded)
+        self._measured(len(text) - start, new)
         if hit is not None and self._verify_every > 0:
             ids = self._verify(text, ids, encode)
         return ids, EncodeStats(

@@ -21,7 +21,7 @@ from router.tokenize.prefix_cache import PrefixCache
 from router.tokenize.ratelog import RateLimitedLog
 from router.tokenize.render_client import AiohttpPoster, JsonPoster, RenderClient
 from router.tokenize.request_ids import IdsValidator, engine_ids, hinted_ids
-from router.tokenize.spec import TokenizedPrompt, TokenizerSpec
+from router.tokenize.spec import PendingText, TokenizedPrompt, TokenizerSpec
 
 log = logging.getLogger("kvroute.tokenize")
 
@@ -110,10 +110,17 @@ class Tokenizers:
         endpoint: str,
         body: dict[str, Any],
         worker_url_for_render: RenderUrl,
+        *,
+        partial_min_chars: int = 0,
     ) -> TokenizedPrompt | None:
         """The ids the engine will prefill for this request, or None when they cannot be known
         (the router then routes without cache evidence). Raises TokenizeError when the request
-        is malformed (the router answers 400). Never mutates `body`."""
+        is malformed (the router answers 400). Never mutates `body`.
+
+        With `partial_min_chars` > 0, a locally tokenized prompt whose start is in the prefix
+        cache and whose rest is at least that many characters comes back partial: the exact
+        ids of the start, and `pending` for `finish` (so a multi-turn request can be routed
+        before its new turn is encoded)."""
         key = model if model in self._specs else _DEFAULT_KEY
         spec = self._specs.get(model, self._default)
         if spec is None:
@@ -121,7 +128,9 @@ class Tokenizers:
             return None
         started = time.perf_counter()
         try:
-            result = await self._token_ids(key, spec, endpoint, body, worker_url_for_render)
+            result = await self._token_ids(
+                key, spec, endpoint, body, worker_url_for_render, partial_min_chars
+            )
         except TokenizeError as exc:
             self._metrics.results.labels(key, "client_error").inc()
             self._log.warning(
@@ -151,6 +160,7 @@ class Tokenizers:
         endpoint: str,
         body: Mapping[str, Any],
         worker_url: RenderUrl,
+        partial_min_chars: int = 0,
     ) -> TokenizedPrompt:
         local = await self._local_for(key, spec) if spec.mode == "local" else None
         vocab = local.vocab_size if local is not None else spec.vocab_size
@@ -186,12 +196,59 @@ class Tokenizers:
         # runs here when it is small (a multi-turn request adds one turn) and in the pool
         # when it would stall the loop. The hop costs more than a short encode.
         text, add_special = self._local_text(local, endpoint, body)
-        if local.uncached_chars(text) <= self._inline_chars:
+        hit = local.cached_prefix(text)
+        uncached = len(text) - (hit.anchor if hit is not None else 0)
+        # add_special_tokens may append tokens at the end: only whole prompts then
+        if hit is not None and 0 < partial_min_chars <= uncached and not add_special:
+            local.check_length(text)
+            estimate = len(hit.ids) + -(-uncached // max(1, round(local.chars_per_token)))
+            pending = PendingText(key, text, add_special, uncached, estimate)
+            return TokenizedPrompt(hit.ids, "local", pending)
+        return await self._encode(key, local, text, add_special, uncached)
+
+    async def _encode(
+        self, key: str, local: LocalTokenizer, text: str, add_special: bool, uncached: int
+    ) -> TokenizedPrompt:
+        if uncached <= self._inline_chars:
             ids, stats = local.text_ids(text, add_special)
         else:
             ids, stats = await self._run(local.text_ids, text, add_special)
         self._count(key, stats)
         return TokenizedPrompt(ids, "local")
+
+    async def finish(self, partial: TokenizedPrompt) -> TokenizedPrompt | None:
+        """The whole prompt of a partial `token_ids` answer (itself if it is whole), or None
+        when the rest cannot be encoded (logged and counted; the engine will answer the
+        request as it sees fit, so nothing is raised)."""
+        pending = partial.pending
+        if pending is None:
+            return partial
+        local = self._local.get(pending.model_key)
+        if not isinstance(local, LocalTokenizer):
+            return None
+        started = time.perf_counter()
+        try:
+            whole = await self._encode(
+                pending.model_key,
+                local,
+                pending.text,
+                pending.add_special_tokens,
+                pending.uncached_chars,
+            )
+        except (TokenizeError, NotExact) as exc:
+            reason = getattr(exc, "reason", None) or getattr(exc, "param", None) or "error"
+            self._unavailable(pending.model_key, f"rest_{reason}")
+            self._log.warning(
+                f"rest:{pending.model_key}",
+                "model %s: the rest of a partially tokenized prompt failed: %s",
+                pending.model_key,
+                exc,
+            )
+            return None
+        self._metrics.child(self._metrics.seconds, "local_rest").observe(
+            time.perf_counter() - started
+        )
+        return whole
 
     @staticmethod
     def _local_text(

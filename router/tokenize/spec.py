@@ -45,8 +45,23 @@ class TokenizerSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class PendingText:
+    """The part of a prompt not tokenized yet: `Tokenizers.finish` encodes it."""
+
+    model_key: str
+    text: str  # the whole prompt text (its start is in the prefix cache)
+    add_special_tokens: bool
+    uncached_chars: int
+    estimated_tokens: int  # of the whole prompt: the known ids + the rest at chars per token
+
+
+@dataclass(frozen=True, slots=True)
 class TokenizedPrompt:
-    """The ids the engine will prefill for a request and where they came from."""
+    """The ids the engine will prefill for a request and where they came from.
+
+    With `pending` set, `token_ids` are only the exact ids of the prompt's start (a
+    conversation's history, from the prefix cache); `Tokenizers.finish` gives the whole."""
 
     token_ids: list[int]
     source: str  # "local" | "render" | "request"
+    pending: PendingText | None = None

@@ -342,3 +342,67 @@ def test_router_learns_the_engines_prefill_rate_from_streamed_first_bytes() -> N
 
     learned = asyncio.run(go())
     assert true_rate / 2.5 < learned < true_rate * 2.5, (learned, true_rate)
+
+
+async def stream_chat(r: SimRig, messages: list[dict[str, str]]) -> tuple[str, int, int]:
+    """One streamed chat through the router: (answer text, predicted cached tokens from the
+    response header, cached tokens from the engine's usage chunk)."""
+    import json
+
+    body = {
+        "model": MODEL,
+        "messages": messages,
+        "max_tokens": 160,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    text, cached = [], -1
+    async with r.client.stream("POST", "/v1/chat/completions", json=body) as resp:
+        assert resp.status_code == 200
+        predicted = int(resp.headers["x-kvroute-predicted-cached-tokens"])
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            for choice in chunk.get("choices", []):
+                text.append(choice["delta"].get("content") or "")
+            if chunk.get("usage"):
+                cached = chunk["usage"]["prompt_tokens_details"]["cached_tokens"]
+    return "".join(text), predicted, cached
+
+
+@pytest.mark.parametrize("profile", ["dense", "mamba"])
+def test_streamed_turns_routed_on_their_history_are_predicted_exactly(profile: str) -> None:
+    """A streamed turn whose history is in the tokenizer's prefix cache and whose new text is
+    long is routed on the history's ids and encoded after dispatch (tokenizer
+    partial_min_chars); the prediction the router reports is still that of the whole prompt,
+    request by request equal to what the engine reused."""
+
+    async def go() -> tuple[list[tuple[int, int]], float]:
+        pairs: list[tuple[int, int]] = []
+        async with sim_fleet(3, profile=profile) as r:
+            for s in range(3):
+                messages = session_messages(s)
+                for turn in range(4):
+                    answer, predicted, cached = await stream_chat(r, messages)
+                    if turn:
+                        pairs.append((predicted, cached))
+                    messages = [
+                        *messages,
+                        {"role": "assistant", "content": answer},
+                        # ~600 characters of new text (partial_min_chars is 512)
+                        {"role": "user", "content": f"Follow-up {turn} on item {s}. " * 24},
+                    ]
+            text = (await r.client.get("/metrics")).text
+        rest = sum(
+            float(x.split()[-1])
+            for x in text.splitlines()
+            if x.startswith('kvroute_tokenize_seconds_count{mode="local_rest"}')
+        )
+        return pairs, rest
+
+    pairs, rest = asyncio.run(go())
+    assert rest >= len(pairs)  # every follow-up turn took the partial path
+    assert all(cached > 0 for _, cached in pairs), pairs
+    exact = sum(1 for p, c in pairs if p == c)
+    assert exact >= len(pairs) - 1, pairs

@@ -129,6 +129,76 @@ def test_short_encodes_stay_on_the_loop_long_ones_use_the_pool(
     run(go)
 
 
+def test_partial_ids_are_the_cached_start_and_finish_gives_the_whole(
+    model_dirs: dict[str, Path],
+) -> None:
+    """With partial_min_chars, a turn whose history is cached and whose new text is long
+    comes back as the history's exact ids plus what is pending; `finish` gives exactly the
+    ids of a full tokenization. A short new text, a first turn, or partial off: whole ids."""
+    reg = CollectorRegistry()
+    spec = TokenizerSpec("local", path=str(model_dirs["chatml"]))
+    ref = _reference(model_dirs["chatml"])
+    history = "tell me a story " * 60
+    reply = "once upon a time there was a router that knew every cache. " * 20  # 1,200 chars
+    turn = _chat(history, reply, "go on")
+
+    async def go() -> None:
+        tz = Tokenizers({"m": spec}, registry=reg)
+        try:
+            first = await tz.token_ids("m", CHAT, _chat(history), None, partial_min_chars=512)
+            assert first is not None and first.pending is None  # nothing cached yet: whole
+            got = await tz.token_ids("m", CHAT, turn, None, partial_min_chars=512)
+            assert got is not None and got.pending is not None
+            whole = ref.chat_ids(turn)[0]
+            assert 0 < len(got.token_ids) < len(whole)
+            assert got.token_ids == whole[: len(got.token_ids)]  # an exact start
+            # the estimate is of the right size (the reply is ~250 tokens)
+            assert abs(got.pending.estimated_tokens - len(whole)) < 0.5 * (
+                len(whole) - len(got.token_ids)
+            )
+            done = await tz.finish(got)
+            assert done is not None and done.pending is None and done.token_ids == whole
+            assert await tz.finish(done) is done  # already whole
+            # a short new text, or partial off: encoded at once
+            short = _chat(history, "ok", "go on")
+            assert (
+                await tz.token_ids("m", CHAT, short, None, partial_min_chars=512)
+            ).pending is None  # type: ignore[union-attr]
+            again = _chat(history, reply + " more", "go on")
+            full = await tz.token_ids("m", CHAT, again, None)
+            assert full is not None and full.pending is None
+            assert full.token_ids == ref.chat_ids(again)[0]
+        finally:
+            await tz.aclose()
+
+    run(go)
+    assert _value(reg, "kvroute_tokenize_seconds_count", mode="local_rest") == 1
+
+
+def test_partial_rest_that_fails_gives_none_and_is_counted(model_dirs: dict[str, Path]) -> None:
+    """The rest of a partial prompt is encoded after dispatch: a failure there (here the
+    prompt bound) returns None instead of raising, and is counted."""
+    reg = CollectorRegistry()
+    spec = TokenizerSpec("local", path=str(model_dirs["chatml"]), max_prompt_tokens=600)
+    history = "tell me a story " * 40  # ~450 tokens
+    turn = _chat(history, "and then " * 100, "go on")
+
+    async def go() -> None:
+        tz = Tokenizers({"m": spec}, registry=reg)
+        try:
+            await tz.token_ids("m", CHAT, _chat(history), None)
+            got = await tz.token_ids("m", CHAT, turn, None, partial_min_chars=256)
+            assert got is not None and got.pending is not None
+            assert await tz.finish(got) is None
+            with pytest.raises(TokenizeError):  # the same request, encoded first: a 400
+                await tz.token_ids("m", CHAT, turn, None)
+        finally:
+            await tz.aclose()
+
+    run(go)
+    assert _value(reg, "kvroute_tokenize_unavailable_total", model="m", reason="rest_messages") == 1
+
+
 def test_unknown_model_without_default_gets_none(model_dirs: dict[str, Path]) -> None:
     reg = CollectorRegistry()
 

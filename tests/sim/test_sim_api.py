@@ -338,7 +338,9 @@ def test_waiting_queue_is_bounded() -> None:
         codes: list[int] = []
 
         def send(i: int) -> None:
-            body = {"prompt": [10 + i] * 50, "max_tokens": 50, "ignore_eos": True}
+            # long answers: the queue must stay full until the extra request below (with 50
+            # tokens the running one finished first once under load); the restart ends them
+            body = {"prompt": [10 + i] * 50, "max_tokens": 400, "ignore_eos": True}
             codes.append(c.post("/v1/completions", json=body).status_code)
 
         threads = [threading.Thread(target=send, args=(i,)) for i in range(4)]

@@ -170,29 +170,26 @@ class Routing:
         cacheable = not skips_prefix_cache(req)
         pending = got.pending
         if pending is not None:
-            n = max(len(ids) + 1, pending.estimated_tokens)
+            n = pending.estimated_tokens
             return Prompt(
                 ids, got.source, n, route.lora_name, req.cache_salt, cacheable, partial=got
             )
         return Prompt(ids, got.source, len(ids), route.lora_name, req.cache_salt, cacheable)
 
     async def complete(self, prompt: Prompt) -> bool:
-        """Encode the rest of a partial prompt: True when its ids are now whole (the keys and
-        coverage of the start are dropped, so `reuse` scores the whole prompt). A rest that
-        fails leaves the start (scored as is) and returns False."""
+        """Encode the rest of a partial prompt: True when its ids are now whole (the start's
+        keys and coverage are dropped, so `reuse` scores the whole prompt). A rest that fails
+        drops the ids altogether (the start alone would mislead an expectation) and returns
+        False."""
         if prompt.partial is None:
             return True
         whole = await self._tokenizers.finish(prompt.partial)
-        prompt.partial = None
-        if whole is None:  # the start alone would mislead expectations: no ids at all
+        prompt.partial = prompt.keys = prompt.coverage = None
+        if whole is None:
             prompt.token_ids = None
-            prompt.keys = None
-            prompt.coverage = None
             return False
         prompt.token_ids = whole.token_ids
         prompt.n_tokens = len(whole.token_ids)
-        prompt.keys = None
-        prompt.coverage = None
         return True
 
     def _render_worker(self, route: ModelRoute) -> str | None:

@@ -19,7 +19,7 @@ from router.tokenize.chat_request import (
 from router.tokenize.encoder import TextEncoder
 from router.tokenize.errors import TokenizeError
 from router.tokenize.model_dir import ModelFiles, load_model_dir
-from router.tokenize.prefix_cache import CacheHit, PrefixCache
+from router.tokenize.prefix_cache import Lookup, PrefixCache
 from router.tokenize.spec import TokenizerSpec
 from router.tokenize.template import ChatTemplate, RenderInput, choose_template, make_environment
 
@@ -145,14 +145,22 @@ class LocalTokenizer:
         return self.text_ids(text, add_special, encode)
 
     def text_ids(
-        self, text: str, add_special_tokens: bool, encode: PieceEncoder | None = None
+        self,
+        text: str,
+        add_special_tokens: bool,
+        encode: PieceEncoder | None = None,
+        lookup: Lookup | None = None,
     ) -> tuple[list[int], EncodeStats]:
-        """Ids of `text` (from the prefix cache where possible), bounded by the spec."""
+        """Ids of `text` (from the prefix cache where possible), bounded by the spec.
+        `lookup`: `cached_prefix(text)` if the caller already made it (not made again; a hit's
+        ids stay right even if its entry was evicted since)."""
         self.check_length(text)
         enc = encode or self.encoder.encode_pieces
         try:
             ids, stats = (
-                self._ids_cached(text, enc) if self._cache_enabled else self._ids_plain(text, enc)
+                self._ids_cached(text, enc, lookup or self.cached_prefix(text))
+                if self._cache_enabled
+                else self._ids_plain(text, enc)
             )
         except (TypeError, ValueError, UnicodeError, OverflowError) as exc:
             # e.g. lone surrogates in the text: the engine cannot tokenize it either.
@@ -174,22 +182,18 @@ class LocalTokenizer:
         """Ids for a completions body whose prompt is text (ids prompts are handled earlier)."""
         return self.text_ids(*self.completion_text(body), encode)
 
-    def cached_prefix(self, text: str) -> CacheHit | None:
-        """The longest start of `text` whose ids the prefix cache knows (a cheap look-up:
-        one hashing pass over the text), or None."""
+    def cached_prefix(self, text: str) -> Lookup:
+        """The longest start of `text` whose ids the prefix cache knows (one hashing pass over
+        the text; no hit when the cache is off). Pass it on to `text_ids`."""
         if not self._cache_enabled:
-            return None
-        return self.cache.lookup(text, self.cache.digests(text, self._cache_seed))
-
-    def uncached_chars(self, text: str) -> int:
-        """Characters of `text` that `text_ids` would encode (the rest comes from the
-        prefix cache): tells whether encoding is worth a thread hop."""
-        hit = self.cached_prefix(text)
-        return len(text) - (hit.anchor if hit is not None else 0)
+            return Lookup([], None)
+        digests = self.cache.digests(text, self._cache_seed)
+        return Lookup(digests, self.cache.lookup(text, digests))
 
     @property
     def chars_per_token(self) -> float:
-        """Characters per token of the texts encoded so far (a start value before any)."""
+        """Characters per token of the texts encoded so far (a start value until 256 tokens
+        have been encoded)."""
         if self._encoded_tokens < 256:
             return _CHARS_PER_TOKEN_START
         return self._encoded_chars / self._encoded_tokens
@@ -237,9 +241,10 @@ class LocalTokenizer:
         self._encoded_chars += chars
         self._encoded_tokens += tokens
 
-    def _ids_cached(self, text: str, encode: PieceEncoder) -> tuple[list[int], EncodeStats]:
-        digests = self.cache.digests(text, self._cache_seed)
-        hit = self.cache.lookup(text, digests)
+    def _ids_cached(
+        self, text: str, encode: PieceEncoder, lookup: Lookup
+    ) -> tuple[list[int], EncodeStats]:
+        digests, hit = lookup.digests, lookup.hit
         start, prefix = (hit.anchor, hit.ids) if hit is not None else (0, [])
         cut = self.encoder.cache_anchor(text, start)
         pieces = [text[start:cut], text[cut:]] if cut is not None else [text[start:]]

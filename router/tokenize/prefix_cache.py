@@ -46,6 +46,18 @@ class CacheHit:
 
 
 @dataclass(frozen=True, slots=True)
+class Lookup:
+    """One text's look-up: its chunk digests (which an insert needs too) and the hit."""
+
+    digests: list[int]
+    hit: CacheHit | None
+
+    def uncached_chars(self, text: str) -> int:
+        """Characters of `text` (the looked-up text) beyond the hit."""
+        return len(text) - (self.hit.anchor if self.hit is not None else 0)
+
+
+@dataclass(frozen=True, slots=True)
 class CacheStats:
     entries: int
     bytes: int

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -17,7 +18,7 @@ from router.tokenize.chat_request import NotExact
 from router.tokenize.errors import TokenizeError
 from router.tokenize.local import EncodeStats, LocalTokenizer
 from router.tokenize.metrics import TokenizeMetrics
-from router.tokenize.prefix_cache import PrefixCache
+from router.tokenize.prefix_cache import Lookup, PrefixCache
 from router.tokenize.ratelog import RateLimitedLog
 from router.tokenize.render_client import AiohttpPoster, JsonPoster, RenderClient
 from router.tokenize.request_ids import IdsValidator, engine_ids, hinted_ids
@@ -196,23 +197,25 @@ class Tokenizers:
         # runs here when it is small (a multi-turn request adds one turn) and in the pool
         # when it would stall the loop. The hop costs more than a short encode.
         text, add_special = self._local_text(local, endpoint, body)
-        hit = local.cached_prefix(text)
-        uncached = len(text) - (hit.anchor if hit is not None else 0)
+        lookup = local.cached_prefix(text)
+        hit = lookup.hit
         # add_special_tokens may append tokens at the end: only whole prompts then
-        if hit is not None and 0 < partial_min_chars <= uncached and not add_special:
-            local.check_length(text)
-            estimate = len(hit.ids) + -(-uncached // max(1, round(local.chars_per_token)))
-            pending = PendingText(key, text, add_special, uncached, estimate)
-            return TokenizedPrompt(hit.ids, "local", pending)
-        return await self._encode(key, local, text, add_special, uncached)
+        if hit is not None and not add_special:
+            uncached = lookup.uncached_chars(text)
+            if 0 < partial_min_chars <= uncached:
+                local.check_length(text)
+                estimate = len(hit.ids) + math.ceil(uncached / local.chars_per_token)
+                pending = PendingText(key, text, lookup, estimate)
+                return TokenizedPrompt(hit.ids, "local", pending)
+        return await self._encode(key, local, text, add_special, lookup)
 
     async def _encode(
-        self, key: str, local: LocalTokenizer, text: str, add_special: bool, uncached: int
+        self, key: str, local: LocalTokenizer, text: str, add_special: bool, lookup: Lookup
     ) -> TokenizedPrompt:
-        if uncached <= self._inline_chars:
-            ids, stats = local.text_ids(text, add_special)
+        if lookup.uncached_chars(text) <= self._inline_chars:
+            ids, stats = local.text_ids(text, add_special, lookup=lookup)
         else:
-            ids, stats = await self._run(local.text_ids, text, add_special)
+            ids, stats = await self._run(partial(local.text_ids, text, add_special, lookup=lookup))
         self._count(key, stats)
         return TokenizedPrompt(ids, "local")
 
@@ -229,11 +232,7 @@ class Tokenizers:
         started = time.perf_counter()
         try:
             whole = await self._encode(
-                pending.model_key,
-                local,
-                pending.text,
-                pending.add_special_tokens,
-                pending.uncached_chars,
+                pending.model_key, local, pending.text, False, pending.lookup
             )
         except (TokenizeError, NotExact) as exc:
             reason = getattr(exc, "reason", None) or getattr(exc, "param", None) or "error"

@@ -6,6 +6,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from router.tokenize.prefix_cache import Lookup
+
 Mode = Literal["local", "render", "request"]
 ContentFormat = Literal["auto", "string", "openai"]
 
@@ -46,12 +48,12 @@ class TokenizerSpec:
 
 @dataclass(frozen=True, slots=True)
 class PendingText:
-    """The part of a prompt not tokenized yet: `Tokenizers.finish` encodes it."""
+    """The part of a prompt not tokenized yet (never one with special tokens to add):
+    `Tokenizers.finish` encodes it."""
 
     model_key: str
-    text: str  # the whole prompt text (its start is in the prefix cache)
-    add_special_tokens: bool
-    uncached_chars: int
+    text: str  # the whole prompt text
+    lookup: Lookup  # its prefix-cache look-up (the start that is known)
     estimated_tokens: int  # of the whole prompt: the known ids + the rest at chars per token
 
 

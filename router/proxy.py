@@ -342,6 +342,7 @@ class Proxy:
         if worker.url_shared:
             headers = [*headers, ("x-data-parallel-rank", str(worker.spec.dp_rank))]
         dispatched = time.perf_counter()
+        predicted = cand.reuse  # of the whole prompt (`_complete` rescores a partial one)
         resp: UpstreamResponse | None = None
         verdict = False
         try:
@@ -360,7 +361,7 @@ class Proxy:
                     return _Failure(cause, None, (resp.status, _resp_headers(resp), data))
                 if req.stream and resp.status == 200:
                     if prompt.partial is not None:
-                        await self._complete(worker, cand, prompt, record)
+                        predicted = await self._complete(worker, cand, prompt, record)
                     first = await resp.next_chunk()
                     if self._prefill_rate is not None and first:
                         self._prefill_rate.observe(
@@ -389,7 +390,7 @@ class Proxy:
             if self._show_headers:
                 out_headers += [
                     (b"x-kvroute-worker", worker.name.encode()),
-                    (b"x-kvroute-predicted-cached-tokens", str(cand.reuse or 0).encode()),
+                    (b"x-kvroute-predicted-cached-tokens", str(predicted or 0).encode()),
                 ]
             if req.stream and resp.status == 200:
                 usage = await self._stream(resp, first, out_headers, inject_usage, send, record)
@@ -401,7 +402,7 @@ class Proxy:
                 await send({"type": "http.response.body", "body": first})
                 usage = usage_from_json(first) if resp.status == 200 else None
             if resp.status == 200:
-                self._verify(worker, cand, req, prompt, record, usage)
+                self._verify(worker, predicted, req, prompt, record, usage)
             return resp.status
         finally:
             prefill_timer.cancel()
@@ -414,24 +415,23 @@ class Proxy:
 
     async def _complete(
         self, worker: Worker, cand: Candidate, prompt: Prompt, record: DecisionRecord
-    ) -> None:
-        """Finish a partial prompt while the engine prefills it: the whole ids, the
-        prediction for every candidate (what the verifier, the response header and the
-        decision log report) and the chosen worker's expectation. The decision stands."""
+    ) -> int | None:
+        """Finish a partial prompt while the engine prefills it: the whole ids, the chosen
+        worker's expectation, and its prediction for the whole prompt (returned: what the
+        verifier and the response header report; the decision log's predicted tokens too).
+        The candidates keep the picture the policy decided on. On failure: `cand.reuse`."""
         try:
             if not await self._routing.complete(prompt):
-                return
-            reuse = self._routing.reuse(prompt)
-            for c in (*record.decision.candidates, cand):
-                if c.name in reuse:
-                    c.reuse = reuse[c.name]
-            record.decision.n_tokens = prompt.n_tokens
-            chosen = record.decision.chosen
-            record.decision.predicted_reuse = (chosen.reuse or 0) if chosen is not None else 0
+                return cand.reuse
+            predicted = self._routing.reuse(prompt).get(worker.name)
+            if record.decision.chosen is cand:
+                record.decision.predicted_reuse = predicted or 0
             self._routing.expect(worker, prompt)
+            return predicted
         except Exception as exc:  # the request is already with the engine: never fail it here
             self._ratelog.error("complete", "finishing a partial prompt failed: %r", exc)
             self._metrics.child(self._metrics.errors, "tokenize").inc()
+            return cand.reuse
 
     async def _stream(
         self,
@@ -477,7 +477,7 @@ class Proxy:
     def _verify(
         self,
         worker: Worker,
-        cand: Candidate,
+        predicted: int | None,
         req: ClientRequest,
         prompt: Prompt,
         record: DecisionRecord,
@@ -491,7 +491,7 @@ class Proxy:
             return
         record.outcome = self._verifier.observe(
             worker.name,
-            cand.reuse,
+            predicted,
             usage.cached_tokens,
             usage.prompt_tokens,
             len(prompt.token_ids) if prompt.token_ids is not None else None,

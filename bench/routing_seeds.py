@@ -10,7 +10,11 @@ per router:
 - TTFT percentiles pooled over every request of every seed (about 300 x seeds requests, so
   the pooled p99 rests on a few dozen requests rather than three),
 - for the reference router (kvroute, else the first listed) against each other router: in how
-  many seeds its p50 and p99 were lower, and the median of the per-seed differences.
+  many seeds its p50 and p99 were lower, the median of the per-seed differences, and the
+  pooled p50 and p99 difference with a 95% interval from a paired cluster bootstrap over the
+  sessions (``bench.stats.paired_bootstrap``): "lower" / "higher" only when the interval
+  excludes zero,
+- with the oracle in the run, each router's cached tokens as a share of the oracle's.
 
 Results: ``bench/results/routing_seeds_<profile>[_vllm].{json,md}``; each seed's own results
 and per-request records under ``bench/results/seeds/seed<k>/``.
@@ -32,7 +36,9 @@ from typing import Any
 
 from bench.report import fmt, markdown_table, routing_markdown, routing_plot
 from bench.routing_bench import build_config, parse_args, run_profile
-from bench.stats import percentile
+from bench.stats import paired_bootstrap, percentile
+
+ORACLE = "oracle"
 
 
 def _ratio(row: dict[str, Any]) -> float | None:
@@ -40,16 +46,31 @@ def _ratio(row: dict[str, Any]) -> float | None:
     return row["engine_cached_tokens"] / prompt if prompt else None
 
 
-def _ttfts(run_dir: Path, name: str) -> list[float]:
+def _session_ttfts(run_dir: Path, name: str) -> dict[str, list[float]]:
+    """A router's TTFTs of answered requests in one seed's run, by session (a record without
+    a session is its own)."""
     path = run_dir / f"{name}.records.jsonl"
     if not path.exists():
-        return []
-    out = []
+        return {}
+    out: dict[str, list[float]] = {}
     with open(path, encoding="utf-8") as f:
         for line in f:
             r = json.loads(line)
             if r.get("ttft") is not None and r.get("status") == 200 and r.get("error") is None:
-                out.append(float(r["ttft"]))
+                key = r.get("session") or f"request {r.get('id')}"
+                out.setdefault(key, []).append(float(r["ttft"]))
+    return out
+
+
+def _pairs(
+    run_dirs: dict[int, Path], seeds: Sequence[int], ref: str, other: str
+) -> list[tuple[list[float], list[float]]]:
+    """One (reference TTFTs, other TTFTs) cluster per session of each seed."""
+    out = []
+    for s in seeds:
+        a = _session_ttfts(run_dirs[s], ref)
+        b = _session_ttfts(run_dirs[s], other)
+        out += [(a.get(k, []), b.get(k, [])) for k in sorted(a.keys() | b.keys())]
     return out
 
 
@@ -73,7 +94,7 @@ def aggregate(per_seed: dict[int, dict[str, Any]], run_dirs: dict[int, Path]) ->
     routers: list[dict[str, Any]] = []
     for name in names:
         rows = {s: ok[s][name] for s in seeds if name in ok[s]}
-        pooled = [t for s in rows for t in _ttfts(run_dirs[s], name)]
+        pooled = [t for s in rows for ts in _session_ttfts(run_dirs[s], name).values() for t in ts]
         routers.append(
             {
                 "name": name,
@@ -106,8 +127,24 @@ def aggregate(per_seed: dict[int, dict[str, Any]], run_dirs: dict[int, Path]) ->
                 "reference_lower": sum(1 for d in diffs if d < 0),
                 "median_diff_s": statistics.median(diffs) if diffs else None,
             }
+        clusters = _pairs(run_dirs, common, ref, name)
+        entry["pooled_diff"] = {}
+        for q, pct in (("ttft_p50", 50.0), ("ttft_p99", 99.0)):
+            d = paired_bootstrap(clusters, pct)
+            entry["pooled_diff"][q] = None if d is None else d.to_json()
         paired.append(entry)
+    _add_oracle_share(routers, ok)
     return {"seeds": seeds, "reference": ref, "routers": routers, "paired": paired}
+
+
+def _add_oracle_share(routers: list[dict[str, Any]], ok: dict[int, dict[str, Any]]) -> None:
+    """Each router's cached tokens as a share of the oracle's, summed over the seeds both ran
+    (``vs_oracle``; None without an oracle row)."""
+    for r in routers:
+        seeds = [s for s in r["seeds"] if ORACLE in ok[s]]
+        mine = sum(ok[s][r["name"]]["engine_cached_tokens"] for s in seeds)
+        theirs = sum(ok[s][ORACLE]["engine_cached_tokens"] for s in seeds)
+        r["vs_oracle"] = mine / theirs if seeds and theirs else None
 
 
 def _range(sp: dict[str, float] | None, pct: bool = False) -> str:
@@ -156,6 +193,10 @@ def markdown(profile: str, agg: dict[str, Any], first: dict[str, Any], command: 
         ]
         for r in agg["routers"]
     ]
+    if any(r.get("vs_oracle") is not None for r in agg["routers"]):
+        headers.insert(3, "cached vs oracle")
+        for row, r in zip(rows, agg["routers"], strict=True):
+            row.insert(3, fmt(r.get("vs_oracle"), pct=True))
     lines += [markdown_table(headers, rows), ""]
     carried = sorted(
         {f"{r['label']} ({r['earlier_run']})" for r in agg["routers"] if r.get("earlier_run")}
@@ -182,15 +223,29 @@ def markdown(profile: str, agg: dict[str, Any], first: dict[str, Any], command: 
                     f"{p[q]['reference_lower']}/{n}, median "
                     + ("-" if d is None else f"{d * 1000:+.1f} ms")
                 )
+            for q in ("ttft_p50", "ttft_p99"):
+                cells.append(_interval(p.get("pooled_diff", {}).get(q)))
             prow.append(cells)
+        headers = ["other router", "seeds", f"{ref} p50 lower in", f"{ref} p99 lower in"]
+        headers += [f"pooled {q}: {ref} minus other (95% CI)" for q in ("p50", "p99")]
         lines += [
-            markdown_table(
-                ["other router", "seeds", f"{ref} p50 lower in", f"{ref} p99 lower in"], prow
-            ),
+            markdown_table(headers, prow),
+            "",
+            "The intervals resample whole sessions, the same ones for both routers (a paired "
+            "cluster bootstrap over every seed's sessions, 1,000 draws): they say how much the "
+            "pooled percentile depends on which sessions the traces happened to hold, not how "
+            "much a rerun of the same trace on this machine would move.",
             "",
         ]
     lines += [f"Command: `{command}`", ""]
     return "\n".join(lines)
+
+
+def _interval(d: dict[str, Any] | None) -> str:
+    if d is None:
+        return "-"
+    ms = 1000.0
+    return f"{d['diff'] * ms:+.1f} ms [{d['low'] * ms:+.1f}, {d['high'] * ms:+.1f}]: {d['verdict']}"
 
 
 def merge_earlier(new: dict[str, Any], earlier: dict[str, Any] | None) -> dict[str, Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -38,7 +39,73 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     """Linear-interpolated percentile (q in [0, 100]); None for no values."""
     if not values:
         return None
-    xs = sorted(values)
+    return _pct(sorted(values), q)
+
+
+@dataclass(frozen=True, slots=True)
+class Difference:
+    """A percentile of one router's TTFTs minus the same percentile of another's, with a
+    bootstrap confidence interval (seconds; negative = the first router is faster)."""
+
+    diff: float
+    low: float
+    high: float
+    level: float
+
+    @property
+    def verdict(self) -> str:
+        """ "lower" / "higher" when the interval excludes zero, else "not distinguishable"."""
+        if self.high < 0:
+            return "lower"
+        if self.low > 0:
+            return "higher"
+        return "not distinguishable"
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "verdict": self.verdict}
+
+
+def paired_bootstrap(
+    clusters: Sequence[tuple[Sequence[float], Sequence[float]]],
+    q: float,
+    iterations: int = 1000,
+    level: float = 0.95,
+    seed: int = 0,
+) -> Difference | None:
+    """Percentile ``q`` of the first values minus that of the second, pooled over clusters,
+    with a paired cluster-bootstrap interval.
+
+    A cluster is one session of one trace as the two routers served it (first, second TTFTs):
+    both routers replayed the same sessions, so resampling whole sessions, the same ones for
+    both, keeps the pairing and the correlation between a session's turns. Seeded, so the
+    same inputs give the same interval. None when either side has no values."""
+    kept = [(list(a), list(b)) for a, b in clusters if a or b]
+    first = [x for a, _ in kept for x in a]
+    second = [x for _, b in kept for x in b]
+    if not first or not second:
+        return None
+    diff = _pct(sorted(first), q) - _pct(sorted(second), q)
+    rng = random.Random(seed)
+    n = len(kept)
+    draws: list[float] = []
+    for _ in range(iterations):
+        xs: list[float] = []
+        ys: list[float] = []
+        for i in rng.choices(range(n), k=n):
+            a, b = kept[i]
+            xs += a
+            ys += b
+        if xs and ys:
+            xs.sort()
+            ys.sort()
+            draws.append(_pct(xs, q) - _pct(ys, q))
+    draws.sort()
+    tail = (1.0 - level) / 2 * 100
+    return Difference(diff, _pct(draws, tail), _pct(draws, 100 - tail), level)
+
+
+def _pct(xs: Sequence[float], q: float) -> float:
+    """`percentile` of already sorted, non-empty values."""
     if len(xs) == 1:
         return xs[0]
     pos = (len(xs) - 1) * q / 100.0

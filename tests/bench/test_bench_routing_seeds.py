@@ -98,3 +98,56 @@ def test_rows_of_routers_not_rerun_are_kept_and_marked() -> None:
     assert kv["summary"]["ttft_p50"] == 0.15 and "earlier_run" not in kv
     assert smg["earlier_run"] == "day 1" and smg["summary"]["ttft_p50"] == 0.1
     assert merge_earlier(new, None) is new
+
+
+def _session_records(run_dir: Path, name: str, by_session: dict[str, list[float]]) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(run_dir / f"{name}.records.jsonl", "w", encoding="utf-8") as f:
+        for session, ttfts in by_session.items():
+            for i, t in enumerate(ttfts):
+                rec = {"id": f"{session}-{i}", "session": session, "ttft": t, "status": 200}
+                f.write(json.dumps(rec | {"error": None}) + "\n")
+
+
+def test_pooled_differences_are_paired_by_session_and_oracle_share_is_summed(
+    tmp_path: Path,
+) -> None:
+    per_seed = {
+        0: {
+            "routers": [
+                _row("kvroute", 0.1, 1, 800),
+                _row("smg", 0.1, 1, 700),
+                _row("oracle", 0.1, 1, 1000),
+            ]
+        },
+        1: {
+            "routers": [
+                _row("kvroute", 0.1, 1, 500),
+                _row("smg", 0.1, 1, 600),
+                _row("oracle", 0.1, 1, 600, "failed"),
+            ]
+        },
+    }
+    dirs = {s: tmp_path / f"s{s}" for s in per_seed}
+    # Sessions of very different lengths; kvroute is 10 ms faster on every turn of every one.
+    for s in per_seed:
+        base = {f"chat-{k}": [0.05 + 0.1 * k + 0.01 * i for i in range(3)] for k in range(30)}
+        _session_records(dirs[s], "smg", base)
+        _session_records(dirs[s], "kvroute", {k: [t - 0.01 for t in v] for k, v in base.items()})
+        _session_records(dirs[s], "oracle", base)
+    agg = aggregate(per_seed, dirs)
+    kv = agg["routers"][0]
+    assert kv["vs_oracle"] == pytest.approx(0.8)  # seed 1's oracle failed: seed 0 only
+    assert agg["routers"][2]["vs_oracle"] == pytest.approx(1.0)
+    smg_pair = next(p for p in agg["paired"] if p["other"] == "smg")
+    p50 = smg_pair["pooled_diff"]["ttft_p50"]
+    assert p50["diff"] == pytest.approx(-0.01) and p50["verdict"] == "lower"
+    assert p50["low"] == pytest.approx(-0.01) and p50["high"] == pytest.approx(-0.01)
+    first = {
+        "fleet": {"workers": 4, "cache_backend": "sim"},
+        "trace": {"name": "preset default, seed 0", "requests": 90},
+        "replay": "open loop at 1.0x trace time",
+    }
+    md = markdown("swa", agg, first, "cmd")
+    assert "cached vs oracle" in md and "| 80.0% |" in md
+    assert "-10.0 ms [-10.0, -10.0]: lower" in md

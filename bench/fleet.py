@@ -71,11 +71,12 @@ def start_fleet(
     extra_args: Sequence[str] = (),
     timeout_s: float = 90.0,
     python: str | None = None,
+    cpus: Sequence[int] | None = None,
 ) -> Fleet:
     """Start a fleet and wait until every engine answers; raises :class:`FleetError`.
 
     ``python`` runs the fleet with another interpreter (vLLM's, for ``--cache-backend vllm``),
-    with this checkout on its path.
+    with this checkout on its path. ``cpus``: the engines and bridges run only there.
     """
     config = run_dir / f"fleet-{profile}.yaml"
     config.unlink(missing_ok=True)
@@ -94,7 +95,7 @@ def start_fleet(
         *extra_args,
     ]
     env = {"PYTHONPATH": str(ROOT)} if python else None
-    child = pg.start(f"fleet-{profile}", cmd, env=env)
+    child = pg.start(f"fleet-{profile}", cmd, env=env, cpus=cpus)
     deadline = time.monotonic() + timeout_s
     try:
         while not config.exists() or not config.stat().st_size:

@@ -16,7 +16,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -78,8 +78,12 @@ class ProcessGroup:
         cmd: Sequence[str],
         env: dict[str, str] | None = None,
         cwd: str | Path | None = None,
+        cpus: Sequence[int] | None = None,
     ) -> Child:
+        """Start ``cmd``; with ``cpus``, it and every process it starts run only on those
+        CPUs (set in the child before it runs, so its own children inherit it)."""
         log = self.log_dir / f"{name}.log"
+        pin = None if cpus is None else _pinner(tuple(cpus))
         with open(log, "wb") as out:
             popen = subprocess.Popen(
                 list(cmd),
@@ -89,6 +93,7 @@ class ProcessGroup:
                 env={**os.environ, **(env or {})},
                 cwd=cwd,
                 start_new_session=True,
+                preexec_fn=pin,
             )
         child = Child(name, popen, log)
         self.children.append(child)
@@ -123,6 +128,28 @@ class ProcessGroup:
         tb: TracebackType | None,
     ) -> None:
         self.stop_all()
+
+
+def _pinner(cpus: tuple[int, ...]) -> Callable[[], None]:
+    def pin() -> None:
+        os.sched_setaffinity(0, cpus)
+
+    return pin
+
+
+def split_cpus(router_cpus: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(router's CPUs, everyone else's): the given ones and the rest of this process's.
+
+    Raises ValueError when a CPU is not available here or none would be left."""
+    mine = sorted(os.sched_getaffinity(0))
+    router = tuple(sorted(set(router_cpus)))
+    missing = [c for c in router if c not in mine]
+    if missing or not router:
+        raise ValueError(f"CPUs {missing or list(router_cpus)} not available (have {mine})")
+    rest = tuple(c for c in mine if c not in router)
+    if not rest:
+        raise ValueError(f"no CPU left for the fleet and the client (have {mine})")
+    return router, rest
 
 
 def group_alive(pgid: int) -> bool:

@@ -20,6 +20,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -216,11 +217,19 @@ class RunningRouter:
 
 
 def start_router(
-    pg: ProcessGroup, spec: RouterSpec, fleet: Fleet, peers: Peers, timeout_s: float = 60.0
+    pg: ProcessGroup,
+    spec: RouterSpec,
+    fleet: Fleet,
+    peers: Peers,
+    timeout_s: float = 60.0,
+    cpus: Sequence[int] | None = None,
 ) -> RunningRouter:
-    """Start ``spec`` and wait until it serves the fleet's model."""
+    """Start ``spec`` (on ``cpus`` only, when given) and wait until it serves the fleet's
+    model."""
     port = free_port()
-    child = pg.start(f"router-{spec.name}", command(spec, port, fleet, peers), cwd=Path.cwd())
+    child = pg.start(
+        f"router-{spec.name}", command(spec, port, fleet, peers), cwd=Path.cwd(), cpus=cpus
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout_s
     while not _lists_model(url, fleet.model):

@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
 import shlex
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,7 @@ from typing import Any
 from bench.fleet import Fleet, FleetError, delta, scrape, start_fleet, vllm_python
 from bench.loadgen import LoadConfig, progress_printer, run_trace
 from bench.peers import find_peers
-from bench.procs import ProcessGroup
+from bench.procs import ProcessGroup, split_cpus
 from bench.report import routing_markdown, routing_plot
 from bench.routers import (
     ROUTERS,
@@ -86,6 +87,10 @@ class BenchConfig:
     suffix: str = ""
     cache_backend: str = "sim"
     fleet_python: str | None = None
+    # --router-cpus: the router alone on these, everything else (engines, bridges, client)
+    # on the rest; None = all share every CPU
+    router_cpus: tuple[int, ...] | None = None
+    fleet_cpus: tuple[int, ...] | None = None
 
 
 def _start_fleet_retrying(
@@ -102,6 +107,7 @@ def _start_fleet_retrying(
                 extra_args=cfg.fleet_args,
                 python=cfg.fleet_python,
                 timeout_s=300.0 if cfg.fleet_python else 90.0,
+                cpus=cfg.fleet_cpus,
             )
         except FleetError as exc:
             if attempt + 1 == attempts:
@@ -109,6 +115,20 @@ def _start_fleet_retrying(
             print(f"[{profile}] fleet did not start, retrying: {exc}"[:300], file=sys.stderr)
             pg.stop_all()
     raise AssertionError("unreachable")
+
+
+@contextlib.contextmanager
+def _pinned(cpus: Sequence[int] | None) -> Iterator[None]:
+    """This process on ``cpus`` meanwhile (no change when None)."""
+    if cpus is None:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 def run_router(cfg: BenchConfig, profile: str, name: str, run_dir: Path) -> dict[str, Any]:
@@ -120,7 +140,7 @@ def run_router(cfg: BenchConfig, profile: str, name: str, run_dir: Path) -> dict
     with ProcessGroup(run_dir / "logs" / name) as pg:
         try:
             fleet = _start_fleet_retrying(pg, cfg, profile, run_dir)
-            router = start_router(pg, spec, fleet, peers)
+            router = start_router(pg, spec, fleet, peers, cpus=cfg.router_cpus)
         except RouterUnavailable as exc:
             return {**row, "status": "unavailable", "reason": str(exc)}
         except (FleetError, RuntimeError, TimeoutError) as exc:
@@ -129,9 +149,10 @@ def run_router(cfg: BenchConfig, profile: str, name: str, run_dir: Path) -> dict
         load_before = os.getloadavg()[0]
         before = scrape(fleet.engines)
         load = replace(cfg.load, url=router.url, model=fleet.model)
-        records = asyncio.run(
-            run_trace(cfg.trace, load, progress_printer(len(cfg.trace), every=100))
-        )
+        with _pinned(cfg.fleet_cpus):  # the load generator runs in this process
+            records = asyncio.run(
+                run_trace(cfg.trace, load, progress_printer(len(cfg.trace), every=100))
+            )
         after = scrape(fleet.engines)
         # The machine is shared: keep how busy it was, since TTFT includes CPU contention.
         row["loadavg_1m"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
@@ -255,6 +276,18 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
         fleet_args = (*fleet_args, "--cache-backend", "vllm", "--startup-timeout", "240")
         suffix = "_vllm" + suffix
         notes.append("engines use vLLM 0.33's own KVCacheManager (--cache-backend vllm)")
+    router_cpus = fleet_cpus = None
+    if args.router_cpus:
+        try:
+            router_cpus, fleet_cpus = split_cpus(
+                [int(c) for c in args.router_cpus.split(",") if c.strip()]
+            )
+        except ValueError as exc:
+            raise SystemExit(f"--router-cpus: {exc}") from None
+        notes.append(
+            f"the router runs alone on CPU {','.join(map(str, router_cpus))}; engines, bridges "
+            f"and the load generator on CPU {','.join(map(str, fleet_cpus))}"
+        )
     return BenchConfig(
         profiles=profiles,
         routers=routers,
@@ -270,6 +303,8 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
         suffix=suffix,
         cache_backend=args.cache_backend,
         fleet_python=fleet_python,
+        router_cpus=router_cpus,
+        fleet_cpus=fleet_cpus,
     )
 
 
@@ -300,6 +335,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         choices=("sim", "vllm"),
         default="sim",
         help="vllm: the engines use vLLM's real KVCacheManager (results routing_<profile>_vllm)",
+    )
+    p.add_argument(
+        "--router-cpus",
+        default=None,
+        help="comma list of CPUs for the router alone; engines, bridges and the client get the "
+        "others (as in a deployment, where the engines' CPUs are not the router's)",
     )
     p.add_argument("--out-dir", default=str(RESULTS))
     args = p.parse_args(argv)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from bench.fleet import EngineCounters, delta, parse_counters
-from bench.procs import ProcessGroup, free_port, group_alive, wait_http
+from bench.procs import ProcessGroup, free_port, group_alive, split_cpus, wait_http
 from bench.report import routing_markdown, routing_plot
 from bench.run_all import write_summary
 from bench.stats import RequestRecord, percentile, summarize
@@ -164,3 +164,33 @@ def test_report_and_summary(tmp_path: Path) -> None:
     assert "- overhead: not measured yet" in text
     assert "- routing: ok (1.0 s)" in text
     assert os.path.exists(out)
+
+
+def test_pinned_children_and_their_children_run_only_on_the_given_cpus(tmp_path: Path) -> None:
+    mine = sorted(os.sched_getaffinity(0))
+    cpu = mine[-1]
+    # the child reports its own CPUs and those of a grandchild it starts
+    show = "import os; print(sorted(os.sched_getaffinity(0)))"
+    code = f"{show}; import subprocess, sys; subprocess.run([sys.executable, '-c', {show!r}])"
+    with ProcessGroup(tmp_path) as pg:
+        pinned = pg.start("pinned", [sys.executable, "-c", code], cpus=[cpu])
+        free = pg.start("free", [sys.executable, "-c", code])
+        assert pinned.popen.wait(30) == 0 and free.popen.wait(30) == 0
+    assert pinned.log.read_text().split("\n")[:2] == [str([cpu])] * 2
+    assert free.log.read_text().split("\n")[:2] == [str(mine)] * 2
+
+
+def test_router_cpus_split_from_the_rest() -> None:
+    mine = sorted(os.sched_getaffinity(0))
+    if len(mine) < 2:
+        with pytest.raises(ValueError, match="no CPU left"):
+            split_cpus(mine)
+        return
+    router, rest = split_cpus([mine[-1], mine[-1]])
+    assert router == (mine[-1],) and rest == tuple(mine[:-1])
+    with pytest.raises(ValueError, match="not available"):
+        split_cpus([max(mine) + 1000])
+    with pytest.raises(ValueError, match="no CPU left"):
+        split_cpus(mine)
+    with pytest.raises(ValueError):
+        split_cpus([])

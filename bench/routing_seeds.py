@@ -15,6 +15,9 @@ per router:
   sessions (``bench.stats.paired_bootstrap``): "lower" / "higher" only when the interval
   excludes zero,
 - with the oracle in the run, each router's cached tokens as a share of the oracle's.
+- the requests both routers answered, split by whether the engines cached the same tokens
+  for them under both: the median TTFT difference on the equal ones is what the routers
+  themselves cost, on the others what their choices did.
 
 Results: ``bench/results/routing_seeds_<profile>[_vllm].{json,md}``; each seed's own results
 and per-request records under ``bench/results/seeds/seed<k>/``.
@@ -46,20 +49,62 @@ def _ratio(row: dict[str, Any]) -> float | None:
     return row["engine_cached_tokens"] / prompt if prompt else None
 
 
-def _session_ttfts(run_dir: Path, name: str) -> dict[str, list[float]]:
-    """A router's TTFTs of answered requests in one seed's run, by session (a record without
-    a session is its own)."""
+def _answered(run_dir: Path, name: str) -> dict[str, dict[str, Any]]:
+    """A router's answered requests in one seed's run, by request id."""
     path = run_dir / f"{name}.records.jsonl"
     if not path.exists():
         return {}
-    out: dict[str, list[float]] = {}
+    out: dict[str, dict[str, Any]] = {}
     with open(path, encoding="utf-8") as f:
         for line in f:
             r = json.loads(line)
             if r.get("ttft") is not None and r.get("status") == 200 and r.get("error") is None:
-                key = r.get("session") or f"request {r.get('id')}"
-                out.setdefault(key, []).append(float(r["ttft"]))
+                out[str(r.get("id"))] = r
     return out
+
+
+def _session_ttfts(run_dir: Path, name: str) -> dict[str, list[float]]:
+    """A router's TTFTs of answered requests in one seed's run, by session (a record without
+    a session is its own)."""
+    out: dict[str, list[float]] = {}
+    for rid, r in _answered(run_dir, name).items():
+        out.setdefault(r.get("session") or f"request {rid}", []).append(float(r["ttft"]))
+    return out
+
+
+def cache_split(
+    seeds: Sequence[tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]],
+) -> dict[str, dict[str, Any]]:
+    """The requests both routers answered (per seed: reference's and other's by id), split by
+    whether the engines reported the same cached tokens for them. TTFT differences (reference
+    minus other) where they did measure what the routers themselves cost; where they did not,
+    what their routing decisions did."""
+    same: list[float] = []
+    different: list[float] = []
+    more = 0
+    for ref, other in seeds:
+        for rid, a in ref.items():
+            b = other.get(rid)
+            if b is None:
+                continue
+            d = float(a["ttft"]) - float(b["ttft"])
+            if (a.get("cached_tokens") or 0) == (b.get("cached_tokens") or 0):
+                same.append(d)
+            else:
+                different.append(d)
+                more += (a.get("cached_tokens") or 0) > (b.get("cached_tokens") or 0)
+
+    def median(xs: list[float]) -> float | None:
+        return statistics.median(xs) if xs else None
+
+    return {
+        "same_cache": {"requests": len(same), "median_diff_s": median(same)},
+        "different_cache": {
+            "requests": len(different),
+            "reference_more_cached": more,
+            "median_diff_s": median(different),
+        },
+    }
 
 
 def _pairs(
@@ -127,6 +172,9 @@ def aggregate(per_seed: dict[int, dict[str, Any]], run_dirs: dict[int, Path]) ->
                 "reference_lower": sum(1 for d in diffs if d < 0),
                 "median_diff_s": statistics.median(diffs) if diffs else None,
             }
+        entry["by_cache"] = cache_split(
+            [(_answered(run_dirs[s], ref), _answered(run_dirs[s], name)) for s in common]
+        )
         clusters = _pairs(run_dirs, common, ref, name)
         entry["pooled_diff"] = {}
         for q, pct in (("ttft_p50", 50.0), ("ttft_p99", 99.0)):
@@ -231,6 +279,7 @@ def markdown(profile: str, agg: dict[str, Any], first: dict[str, Any], command: 
         lines += [
             markdown_table(headers, prow),
             "",
+            *_cache_split_lines(agg["paired"], ref),
             "The intervals resample whole sessions, the same ones for both routers (a paired "
             "cluster bootstrap over every seed's sessions, 1,000 draws): they say how much the "
             "pooled percentile depends on which sessions the traces happened to hold, not how "
@@ -239,6 +288,44 @@ def markdown(profile: str, agg: dict[str, Any], first: dict[str, Any], command: 
         ]
     lines += [f"Command: `{command}`", ""]
     return "\n".join(lines)
+
+
+def _cache_split_lines(paired: list[dict[str, Any]], ref: str) -> list[str]:
+    rows = []
+    for p in paired:
+        bc = p.get("by_cache")
+        if not bc:
+            continue
+        same, diff = bc["same_cache"], bc["different_cache"]
+        rows.append(
+            [
+                p["other"],
+                f"{same['requests']}: {_ms(same['median_diff_s'])}",
+                f"{diff['requests']} ({diff['reference_more_cached']} with more cached under "
+                f"{ref}): {_ms(diff['median_diff_s'])}",
+            ]
+        )
+    if not rows:
+        return []
+    return [
+        f"The same requests paired by id (TTFT {ref} minus other, median): where the engines "
+        "reported equal cached tokens under both routers the difference is what the routers "
+        "themselves cost; where not, what their choices did.",
+        "",
+        markdown_table(
+            [
+                "other router",
+                "equal cached tokens: requests, median",
+                "different: requests, median",
+            ],
+            rows,
+        ),
+        "",
+    ]
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1000:+.2f} ms"
 
 
 def _interval(d: dict[str, Any] | None) -> str:

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from bench.routing_seeds import _split_args, aggregate, markdown, merge_earlier
+from bench.routing_seeds import _split_args, aggregate, cache_split, markdown, merge_earlier
 
 
 def _row(name: str, p50: float, p99: float, cached: int, status: str = "ok") -> dict[str, Any]:
@@ -148,6 +148,30 @@ def test_pooled_differences_are_paired_by_session_and_oracle_share_is_summed(
         "trace": {"name": "preset default, seed 0", "requests": 90},
         "replay": "open loop at 1.0x trace time",
     }
+    # no cached tokens in these records: every request counts as served with equal cache
+    assert smg_pair["by_cache"]["same_cache"]["requests"] == 180
+    assert smg_pair["by_cache"]["same_cache"]["median_diff_s"] == pytest.approx(-0.01)
     md = markdown("swa", agg, first, "cmd")
     assert "cached vs oracle" in md and "| 80.0% |" in md
+    assert "| smg | 180: -10.00 ms | 0 (0 with more cached under kvroute): - |" in md
     assert "-10.0 ms [-10.0, -10.0]: lower" in md
+
+
+def _rec(ttft: float, cached: int) -> dict[str, Any]:
+    return {"ttft": ttft, "cached_tokens": cached}
+
+
+def test_cache_split_separates_router_cost_from_routing_choices() -> None:
+    seed0 = (
+        {"a": _rec(0.101, 100), "b": _rec(0.203, 50), "c": _rec(0.5, 300), "x": _rec(1.0, 0)},
+        {"a": _rec(0.100, 100), "b": _rec(0.200, 50), "c": _rec(0.9, 0)},
+    )
+    seed1 = ({"a": _rec(0.300, 0), "d": _rec(0.2, 0)}, {"a": _rec(0.1, 64), "d": _rec(0.1995, 0)})
+    split = cache_split([seed0, seed1])
+    same, diff = split["same_cache"], split["different_cache"]
+    assert same["requests"] == 3  # seed 0's a and b, seed 1's d ("x" only one side)
+    assert same["median_diff_s"] == pytest.approx(0.001)  # diffs 0.001, 0.003, 0.0005
+    assert diff["requests"] == 2 and diff["reference_more_cached"] == 1
+    assert diff["median_diff_s"] == pytest.approx((-0.4 + 0.2) / 2)
+    empty = cache_split([({}, {})])
+    assert empty["same_cache"] == {"requests": 0, "median_diff_s": None}

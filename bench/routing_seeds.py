@@ -351,7 +351,7 @@ def merge_earlier(new: dict[str, Any], earlier: dict[str, Any] | None) -> dict[s
     return {**new, "routers": rows + list(fresh.values())}
 
 
-def _split_args(argv: Sequence[str]) -> tuple[list[int], list[str], bool]:
+def _split_args(argv: Sequence[str]) -> tuple[list[int], list[str], bool, bool]:
     p = argparse.ArgumentParser(
         prog="python -m bench.routing_seeds",
         description=__doc__,
@@ -366,18 +366,24 @@ def _split_args(argv: Sequence[str]) -> tuple[list[int], list[str], bool]:
         help="re-run only --routers: the other routers' rows (and records) of an earlier run in "
         "the same output directory stay in each seed's results, marked with that run's date",
     )
+    p.add_argument(
+        "--report-only",
+        action="store_true",
+        help="run nothing: aggregate the seeds' results already in the output directory again "
+        "(after a change to this report)",
+    )
     known, rest = p.parse_known_args(argv)
     seeds = [int(s) for s in known.seeds.split(",") if s.strip()]
     if not seeds:
         p.error("--seeds needs at least one seed")
     if "--seed" in rest:
         p.error("use --seeds, not --seed")
-    return seeds, rest, known.keep_other_routers
+    return seeds, rest, known.keep_other_routers, known.report_only
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    seeds, rest, keep_others = _split_args(argv)
+    seeds, rest, keep_others, report_only = _split_args(argv)
     base = parse_args(rest)
     out_root = Path(base.out_dir)
     command = "python -m bench.routing_seeds " + shlex.join(argv)
@@ -398,10 +404,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             t0 = time.monotonic()
             seed_stem = cfg.out_dir / f"routing_{profile}{cfg.suffix}"
             earlier = None
-            if keep_others and seed_stem.with_suffix(".json").exists():
+            if (keep_others or report_only) and seed_stem.with_suffix(".json").exists():
                 earlier = json.loads(seed_stem.with_suffix(".json").read_text())
-            result = run_profile(cfg, profile, command + f" (seed {seed})")
-            if earlier is not None:
+            if report_only:
+                if earlier is None:
+                    raise SystemExit(f"--report-only: no {seed_stem.with_suffix('.json')}")
+                result = earlier
+            else:
+                result = run_profile(cfg, profile, command + f" (seed {seed})")
+            if earlier is not None and not report_only:
                 result = merge_earlier(result, earlier)
                 seed_stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
                 seed_stem.with_suffix(".md").write_text(routing_markdown(result))
@@ -410,6 +421,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             run_dirs[seed] = cfg.out_dir / "runs" / f"routing_{profile}{cfg.suffix}"
             failed += sum(1 for r in per_seed[seed]["routers"] if r["status"] == "failed")
             print(f"[{profile}] seed {seed} done in {time.monotonic() - t0:.0f}s", file=sys.stderr)
+        if report_only:  # the command that ran the seeds, not this one
+            command = str(per_seed[seeds[0]].get("command", command)).split(" (seed ")[0]
         agg = aggregate(per_seed, run_dirs)
         agg.update(profile=profile, command=command, created=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
         stem = out_root / f"routing_seeds_{profile}{first_cfg.suffix}"

@@ -12,7 +12,14 @@ from typing import Any
 
 import pytest
 
-from bench.routing_seeds import _split_args, aggregate, cache_split, markdown, merge_earlier
+from bench.routing_seeds import (
+    _split_args,
+    aggregate,
+    cache_split,
+    main,
+    markdown,
+    merge_earlier,
+)
 
 
 def _row(name: str, p50: float, p99: float, cached: int, status: str = "ok") -> dict[str, Any]:
@@ -49,6 +56,7 @@ def test_aggregate_medians_pooled_and_paired(tmp_path: Path) -> None:
     agg = aggregate(per_seed, dirs)
 
     kv, smg = agg["routers"]
+    assert smg["pooled"]["ttft_p50"] == pytest.approx(0.3)
     assert agg["reference"] == "kvroute"
     assert kv["seeds"] == [0, 1, 2] and smg["seeds"] == [0, 1]  # seed 2 failed for smg
     assert kv["cached_ratio"] == {"median": 0.7, "min": 0.6, "max": 0.8}
@@ -77,9 +85,10 @@ def test_aggregate_medians_pooled_and_paired(tmp_path: Path) -> None:
 
 
 def test_seed_arguments() -> None:
-    seeds, rest, keep = _split_args(["--seeds", "3,5", "--profile", "swa"])
-    assert seeds == [3, 5] and rest == ["--profile", "swa"] and not keep
+    seeds, rest, keep, report_only = _split_args(["--seeds", "3,5", "--profile", "swa"])
+    assert seeds == [3, 5] and rest == ["--profile", "swa"] and not keep and not report_only
     assert _split_args(["--keep-other-routers"])[2]
+    assert _split_args(["--report-only"])[3]
     with pytest.raises(SystemExit):
         _split_args(["--seeds", "1", "--seed", "2"])
     with pytest.raises(SystemExit):
@@ -175,3 +184,32 @@ def test_cache_split_separates_router_cost_from_routing_choices() -> None:
     assert diff["median_diff_s"] == pytest.approx((-0.4 + 0.2) / 2)
     empty = cache_split([({}, {})])
     assert empty["same_cache"] == {"requests": 0, "median_diff_s": None}
+
+
+def test_report_only_aggregates_the_saved_seeds_again(tmp_path: Path) -> None:
+    for seed, (kv_p50, smg_p50) in {0: (0.1, 0.2), 1: (0.3, 0.4)}.items():
+        seed_dir = tmp_path / "seeds" / f"seed{seed}"
+        result = {
+            "command": f"python -m bench.routing_seeds --seeds 0,1 (seed {seed})",
+            "fleet": {"workers": 4, "cache_backend": "sim"},
+            "trace": {"name": f"preset default, seed {seed}", "requests": 2},
+            "replay": "open loop at 1.0x trace time",
+            "routers": [_row("kvroute", kv_p50, 1.0, 800), _row("smg", smg_p50, 1.0, 700)],
+        }
+        seed_dir.mkdir(parents=True)
+        (seed_dir / "routing_dense.json").write_text(json.dumps(result))
+        run_dir = seed_dir / "runs" / "routing_dense"
+        _session_records(run_dir, "kvroute", {"s": [kv_p50, kv_p50]})
+        _session_records(run_dir, "smg", {"s": [smg_p50, smg_p50]})
+    argv = ["--seeds", "0,1", "--profile", "dense", "--report-only", "--out-dir", str(tmp_path)]
+    assert main(argv) == 0
+    agg = json.loads((tmp_path / "routing_seeds_dense.json").read_text())
+    assert agg["command"] == "python -m bench.routing_seeds --seeds 0,1"
+    kv, smg = agg["routers"]
+    assert smg["pooled"]["ttft_p50"] == pytest.approx(0.3)
+    assert kv["pooled"]["requests"] == 4 and kv["ttft_p50"]["median"] == pytest.approx(0.2)
+    (pair,) = agg["paired"]
+    assert pair["ttft_p50"]["reference_lower"] == 2
+    assert (tmp_path / "routing_seeds_dense.md").read_text().startswith("# Routing benchmark")
+    with pytest.raises(SystemExit, match="no "):
+        main(["--seeds", "7", "--profile", "dense", "--report-only", "--out-dir", str(tmp_path)])

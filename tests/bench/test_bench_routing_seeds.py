@@ -56,7 +56,6 @@ def test_aggregate_medians_pooled_and_paired(tmp_path: Path) -> None:
     agg = aggregate(per_seed, dirs)
 
     kv, smg = agg["routers"]
-    assert smg["pooled"]["ttft_p50"] == pytest.approx(0.3)
     assert agg["reference"] == "kvroute"
     assert kv["seeds"] == [0, 1, 2] and smg["seeds"] == [0, 1]  # seed 2 failed for smg
     assert kv["cached_ratio"] == {"median": 0.7, "min": 0.6, "max": 0.8}

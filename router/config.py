@@ -80,6 +80,13 @@ class PolicyConfig:
         "its own sessions need next (sliding-window benchmark: 69% cached at 0.001, 74-78% "
         "at 0.005)",
     )
+    decode_s_per_running_home: float = _f(
+        0.005,
+        "the per-running charge instead, on the one worker whose predicted reuse beats every "
+        "other worker's by at least a hash unit (where the request's conversation lives): "
+        "keeping a conversation where it is adds no session to that cache, and moving it "
+        "re-prefills its own history; the same as decode_s_per_running by default",
+    )
     saturation_queue_s: float = _f(
         2.0, "a worker whose queued prefill exceeds this many seconds is saturated"
     )

@@ -7,6 +7,8 @@ that picture, so a decision can always be explained after the fact.
 Estimated TTFT of a request on worker w (seconds):
     (queue_weight * queued_prefill(w) + uncached(w)) / prefill_rate
         + decode_s_per_running * running(w)
+(decode_s_per_running_home instead on the request's home: the one worker whose reuse beats
+every other's by at least a hash unit, see `home_worker`)
 where prefill_rate is `policy.prefill_tokens_per_s` (or, with `policy.learn_prefill_rate`, the
 rate measured from streamed first bytes), queued_prefill counts this process's in-flight
 prefill tokens plus the engine's other waiting requests at the learned mean size, and
@@ -107,6 +109,8 @@ class LoadModel:
         cfg = self.cfg
         inv_rate = self.seconds_per_token()
         per_running = cfg.decode_s_per_running
+        home = home_worker(reuse, cfg.hash_unit)
+        per_running_home = cfg.decode_s_per_running_home
         queue_weight = cfg.queue_weight
         sat_queue = cfg.saturation_queue_s
         max_running = cfg.max_running_per_worker
@@ -135,12 +139,34 @@ class LoadModel:
             else:
                 uncached = n_tokens - r
             queue_s = queued * inv_rate
-            est = queue_weight * queue_s + uncached * inv_rate + per_running * running
+            est = (
+                queue_weight * queue_s
+                + uncached * inv_rate
+                + (per_running_home if worker.name == home else per_running) * running
+            )
             saturated = (
                 queue_s > sat_queue or running >= max_running or (kv is not None and kv >= kv_sat)
             )
             append(Candidate(worker, r, uncached, running, queued, kv, est, saturated))
         return out
+
+
+def home_worker(reuse: Mapping[str, int | None], margin: int) -> str | None:
+    """The worker whose predicted reuse exceeds every other's by at least `margin` tokens
+    (where the request's own conversation is cached, beyond what the fleet shares, such as a
+    system prompt), or None when the best is shared or there is no evidence."""
+    best_name: str | None = None
+    best = second = 0
+    for name, r in reuse.items():
+        if r is None:
+            continue
+        if best_name is None or r > best:
+            best_name, best, second = name, r, (best if best_name is not None else 0)
+        elif r > second:
+            second = r
+    if best_name is None or best - second < max(margin, 1):
+        return None
+    return best_name
 
 
 class Policy:

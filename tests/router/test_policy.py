@@ -16,6 +16,7 @@ from router.policy import (
     SPILL,
     LoadModel,
     RouteInput,
+    home_worker,
     make_policy,
     session_key,
 )
@@ -221,3 +222,32 @@ def test_affinity_when_nothing_is_reusable() -> None:
     assert d.chosen is not None and d.chosen.name == "w0" and d.chosen.affinity == 0
     d = make_policy(cfg0, lm0).decide(fleet(3), RouteInput(4000, warm, None, {"w1": 3500}), 0.0)
     assert d.chosen is not None and d.chosen.name == "w0" and d.reason == "cache"
+
+
+def test_home_worker_is_the_unique_best_by_a_margin() -> None:
+    assert home_worker({"a": 800, "b": 656, "c": None}, 16) == "a"
+    assert home_worker({"a": 660, "b": 656}, 16) is None  # within a hash unit: shared
+    assert home_worker({"a": 656, "b": 656, "c": 0}, 16) is None  # a shared system prompt
+    assert home_worker({"a": None, "b": None}, 16) is None
+    assert home_worker({}, 16) is None
+    assert home_worker({"a": 0, "b": 32}, 16) == "b"
+    assert home_worker({"a": 10}, 16) is None and home_worker({"a": 16}, 16) == "a"
+
+
+def test_a_conversation_stays_home_despite_more_running_there() -> None:
+    ws = fleet(2)
+    for _ in range(5):
+        LoadTicket(ws[0].load, 0)  # w0 holds the conversation and runs 5 requests
+    for _ in range(2):
+        LoadTicket(ws[1].load, 0)
+    # 1,000 tokens: w0 holds 800 (system prompt + the first turn), w1 the 656 of the prompt
+    follow_up = RouteInput(1000, {"w0": 800, "w1": 656}, "s")
+    for home_charge, expected in ((0.005, "w1"), (0.001, "w0")):
+        cfg, lm = policy(decode_s_per_running=0.005, decode_s_per_running_home=home_charge)
+        d = make_policy(cfg, lm).decide(ws, follow_up, 0.0)
+        # home charged 5 ms: 0.010 + 0.025 s on w0 vs 0.0172 + 0.010 s; at 1 ms: 0.015 s on w0
+        assert d.chosen is not None and d.chosen.name == expected, home_charge
+    # A new conversation (only the shared system prompt cached) still spreads by running.
+    cfg, lm = policy()
+    d = make_policy(cfg, lm).decide(ws, RouteInput(1000, {"w0": 656, "w1": 656}, "t"), 0.0)
+    assert d.chosen is not None and d.chosen.name == "w1"

@@ -63,11 +63,10 @@ def _answered(run_dir: Path, name: str) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _session_ttfts(run_dir: Path, name: str) -> dict[str, list[float]]:
-    """A router's TTFTs of answered requests in one seed's run, by session (a record without
-    a session is its own)."""
+def _by_session(answered: dict[str, dict[str, Any]]) -> dict[str, list[float]]:
+    """TTFTs of answered requests (`_answered`) by session (a record without one is its own)."""
     out: dict[str, list[float]] = {}
-    for rid, r in _answered(run_dir, name).items():
+    for rid, r in answered.items():
         out.setdefault(r.get("session") or f"request {rid}", []).append(float(r["ttft"]))
     return out
 
@@ -108,13 +107,15 @@ def cache_split(
 
 
 def _pairs(
-    run_dirs: dict[int, Path], seeds: Sequence[int], ref: str, other: str
+    sessions: dict[tuple[int, str], dict[str, list[float]]],
+    seeds: Sequence[int],
+    ref: str,
+    other: str,
 ) -> list[tuple[list[float], list[float]]]:
     """One (reference TTFTs, other TTFTs) cluster per session of each seed."""
     out = []
     for s in seeds:
-        a = _session_ttfts(run_dirs[s], ref)
-        b = _session_ttfts(run_dirs[s], other)
+        a, b = sessions[s, ref], sessions[s, other]
         out += [(a.get(k, []), b.get(k, [])) for k in sorted(a.keys() | b.keys())]
     return out
 
@@ -136,10 +137,13 @@ def aggregate(per_seed: dict[int, dict[str, Any]], run_dirs: dict[int, Path]) ->
                 names.append(row["name"])
                 labels[row["name"]] = row.get("label", row["name"])
     ok = {s: {r["name"]: r for r in per_seed[s]["routers"] if r["status"] == "ok"} for s in seeds}
+    # each router's records of each seed, read once
+    answered = {(s, name): _answered(run_dirs[s], name) for s in seeds for name in ok[s]}
+    sessions = {k: _by_session(v) for k, v in answered.items()}
     routers: list[dict[str, Any]] = []
     for name in names:
         rows = {s: ok[s][name] for s in seeds if name in ok[s]}
-        pooled = [t for s in rows for ts in _session_ttfts(run_dirs[s], name).values() for t in ts]
+        pooled = [t for s in rows for ts in sessions[s, name].values() for t in ts]
         routers.append(
             {
                 "name": name,
@@ -172,10 +176,8 @@ def aggregate(per_seed: dict[int, dict[str, Any]], run_dirs: dict[int, Path]) ->
                 "reference_lower": sum(1 for d in diffs if d < 0),
                 "median_diff_s": statistics.median(diffs) if diffs else None,
             }
-        entry["by_cache"] = cache_split(
-            [(_answered(run_dirs[s], ref), _answered(run_dirs[s], name)) for s in common]
-        )
-        clusters = _pairs(run_dirs, common, ref, name)
+        entry["by_cache"] = cache_split([(answered[s, ref], answered[s, name]) for s in common])
+        clusters = _pairs(sessions, common, ref, name)
         entry["pooled_diff"] = {}
         for q, pct in (("ttft_p50", 50.0), ("ttft_p99", 99.0)):
             d = paired_bootstrap(clusters, pct)
@@ -279,12 +281,12 @@ def markdown(profile: str, agg: dict[str, Any], first: dict[str, Any], command: 
         lines += [
             markdown_table(headers, prow),
             "",
-            *_cache_split_lines(agg["paired"], ref),
             "The intervals resample whole sessions, the same ones for both routers (a paired "
             "cluster bootstrap over every seed's sessions, 1,000 draws): they say how much the "
             "pooled percentile depends on which sessions the traces happened to hold, not how "
             "much a rerun of the same trace on this machine would move.",
             "",
+            *_cache_split_lines(agg["paired"], ref),
         ]
     lines += [f"Command: `{command}`", ""]
     return "\n".join(lines)

@@ -16,7 +16,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -135,6 +135,20 @@ def _pinner(cpus: tuple[int, ...]) -> Callable[[], None]:
         os.sched_setaffinity(0, cpus)
 
     return pin
+
+
+@contextlib.contextmanager
+def pinned(cpus: Sequence[int] | None) -> Iterator[None]:
+    """This process on ``cpus`` meanwhile (no change when None)."""
+    if cpus is None:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 def split_cpus(router_cpus: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import platform
 import shlex
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -33,7 +32,7 @@ from typing import Any
 from bench.fleet import Fleet, FleetError, delta, scrape, start_fleet, vllm_python
 from bench.loadgen import LoadConfig, progress_printer, run_trace
 from bench.peers import find_peers
-from bench.procs import ProcessGroup, split_cpus
+from bench.procs import ProcessGroup, pinned, split_cpus
 from bench.report import routing_markdown, routing_plot
 from bench.routers import (
     ROUTERS,
@@ -117,20 +116,6 @@ def _start_fleet_retrying(
     raise AssertionError("unreachable")
 
 
-@contextlib.contextmanager
-def _pinned(cpus: Sequence[int] | None) -> Iterator[None]:
-    """This process on ``cpus`` meanwhile (no change when None)."""
-    if cpus is None:
-        yield
-        return
-    before = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, cpus)
-    try:
-        yield
-    finally:
-        os.sched_setaffinity(0, before)
-
-
 def run_router(cfg: BenchConfig, profile: str, name: str, run_dir: Path) -> dict[str, Any]:
     """One router on a fresh fleet: the result row (status ok / unavailable / failed)."""
     spec = ROUTERS[name]
@@ -149,7 +134,7 @@ def run_router(cfg: BenchConfig, profile: str, name: str, run_dir: Path) -> dict
         load_before = os.getloadavg()[0]
         before = scrape(fleet.engines)
         load = replace(cfg.load, url=router.url, model=fleet.model)
-        with _pinned(cfg.fleet_cpus):  # the load generator runs in this process
+        with pinned(cfg.fleet_cpus):  # the load generator runs in this process
             records = asyncio.run(
                 run_trace(cfg.trace, load, progress_printer(len(cfg.trace), every=100))
             )

@@ -161,7 +161,7 @@ def home_worker(reuse: Mapping[str, int | None], margin: int) -> str | None:
         if r is None:
             continue
         if best_name is None or r > best:
-            best_name, best, second = name, r, (best if best_name is not None else 0)
+            best_name, best, second = name, r, best
         elif r > second:
             second = r
     if best_name is None or best - second < max(margin, 1):

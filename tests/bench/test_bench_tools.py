@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from bench.fleet import EngineCounters, delta, parse_counters
-from bench.procs import ProcessGroup, free_port, group_alive, split_cpus, wait_http
+from bench.procs import ProcessGroup, free_port, group_alive, pinned, split_cpus, wait_http
 from bench.report import routing_markdown, routing_plot
 from bench.run_all import write_summary
 from bench.stats import RequestRecord, percentile, summarize
@@ -194,3 +194,16 @@ def test_router_cpus_split_from_the_rest() -> None:
         split_cpus(mine)
     with pytest.raises(ValueError):
         split_cpus([])
+
+
+def test_pinned_moves_this_process_and_restores_it() -> None:
+    mine = os.sched_getaffinity(0)
+    cpu = max(mine)
+    with pinned([cpu]):
+        assert os.sched_getaffinity(0) == {cpu}
+    assert os.sched_getaffinity(0) == mine
+    with pytest.raises(RuntimeError), pinned([cpu]):
+        raise RuntimeError("the run failed")
+    assert os.sched_getaffinity(0) == mine  # restored on failure too
+    with pinned(None):
+        assert os.sched_getaffinity(0) == mine

@@ -91,6 +91,7 @@ class EventPublisher:
         self._drop_next = 0  # owned by the publisher thread
         self._drop_from_replay = False
         self._thread: threading.Thread | None = None
+        self.accepted = 0  # batches queued by publish(); the thread is idle when sent + dropped
         self.sent = 0
         self.dropped = 0
         self.queue_full = 0
@@ -114,6 +115,7 @@ class EventPublisher:
             return
         try:
             self._queue.put_nowait((time.time() if ts is None else ts, events))
+            self.accepted += 1
         except queue.Full:
             self.queue_full += 1
             log.warning("event queue full (%d), batch dropped", self.config.max_queue_size)

@@ -245,7 +245,13 @@ def test_bytes_from_a_bridge_into_the_router_event_path(raw: bytes) -> None:
         return
     index = FleetIndexView(hash_unit=4, max_entries_per_worker=200, max_pending_per_worker=50)
     subs = EventSubscriptions(index, EventsConfig(), RouterMetrics())
-    subs._handle("w0", StreamStatus(), message)  # the one place messages are applied
+    status = StreamStatus()
+    asyncio.run(subs._handle("w0", status, message))  # the one place messages are applied
+    kind = message.WhichOneof("message")
+    if kind == "batch":
+        assert status.batches == 1 and status.last_sequence == message.batch.sequence
+    elif kind == "snapshot":
+        assert status.snapshots == 1 and status.stream_id == message.snapshot.stream_id
     index.score([1, 2, 3, 4, 5, 6, 7, 8, 9])
     index.stats("w0")
 

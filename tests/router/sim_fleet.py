@@ -39,9 +39,12 @@ class SimRig:
     def admin(self) -> dict[str, str]:
         return {"authorization": f"Bearer {ADMIN}"}
 
-    async def chat(self, messages: list[dict[str, str]], **extra: Any) -> dict[str, Any]:
+    async def chat(
+        self, messages: list[dict[str, str]], *, settle: bool = True, **extra: Any
+    ) -> dict[str, Any]:
         """One non-streaming chat request through the router; returns the JSON answer plus
-        `_worker` (which engine answered) and records its cached tokens."""
+        `_worker` (which engine answered) and records its cached tokens. With `settle`, returns
+        once the router has applied the events the request caused (see `events_applied`)."""
         body = {"model": MODEL, "messages": messages, "max_tokens": 8, **extra}
         resp = await self.client.post("/v1/chat/completions", json=body)
         assert resp.status_code == 200, resp.text
@@ -50,7 +53,32 @@ class SimRig:
         answer["_worker"] = worker
         cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
         self.cached[worker] = self.cached.get(worker, 0) + cached
+        if settle:
+            await self.events_applied()
         return answer
+
+    async def events_applied(self, timeout: float = 10.0) -> None:
+        """Wait until the router has applied every event batch the engines have published.
+
+        An engine publishes a step's events while the same step's output goes to the client,
+        so the next request can be routed before the router sees the last block of the
+        previous answer (one block short): real event lag, not a prediction error. Tests that
+        check predictions token for token call this between dependent requests.
+        """
+
+        def applied() -> bool:
+            for name, running in self.engines.items():
+                pub = running.publisher
+                assert pub is not None
+                if pub.sent + pub.dropped != pub.accepted:
+                    return False  # still in the publisher's queue
+                status = self.parts.events.status(name)
+                last = status.last_sequence if status is not None else None
+                if pub.next_seq > 0 and last != pub.next_seq - 1:
+                    return False
+            return True
+
+        await until(applied, timeout)
 
     async def probe(self, worker: str, body: dict[str, Any]) -> int:
         """The engine's own answer: how many tokens it would reuse now (/sim/probe)."""

@@ -124,14 +124,16 @@ def test_engine_restarted_gives_no_stale_hits(fleet: Fleet) -> None:
             await eventually(forgotten, timeout=10)
             await never_over(http, fleet, bodies)
             await heal(http, fleet)
-            # every answer now has predicted == what the engine reports (verified per request):
-            # no stale hit survives the restart, and a sibling sent right behind a prompt to
-            # the restarted engine (layout not yet known from its events) is not routed there
-            # as a junction investment (indexer: no coverage for a layout it does not know)
+            # no answer is predicted above what the engine reports (verified per request): no
+            # stale hit survives the restart, and a sibling sent right behind a prompt to the
+            # restarted engine (layout not yet known from its events) is not routed there as a
+            # junction investment (indexer: no coverage for a layout it does not know). Under
+            # is allowed: the sibling can arrive before the events of the prompt ahead of it
+            # (event lag; it failed CI-like runs about half the time as an exact check)
             for body in bodies:
                 usage = {"stream_options": {"include_usage": True}}
                 r = await stream(http, fleet.router.url, {**body, **usage})
-                assert r.intact(None) and r.predicted == r.cached_tokens, r
+                assert r.intact(None) and r.predicted <= r.cached_tokens, r
             after = await metrics(http, fleet.router.url)
             over = "kvroute_prediction_outcomes_total"
             assert metric(after, over, outcome="over") == metric(before, over, outcome="over")

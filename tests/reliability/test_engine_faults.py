@@ -129,7 +129,7 @@ def test_engine_restarted_gives_no_stale_hits(fleet: Fleet) -> None:
             # restarted engine (layout not yet known from its events) is not routed there as a
             # junction investment (indexer: no coverage for a layout it does not know). Under
             # is allowed: the sibling can arrive before the events of the prompt ahead of it
-            # (event lag; it failed CI-like runs about half the time as an exact check)
+            # (event lag; as an exact check it failed 4 of 6 runs of this file)
             for body in bodies:
                 usage = {"stream_options": {"include_usage": True}}
                 r = await stream(http, fleet.router.url, {**body, **usage})

@@ -39,12 +39,10 @@ class SimRig:
     def admin(self) -> dict[str, str]:
         return {"authorization": f"Bearer {ADMIN}"}
 
-    async def chat(
-        self, messages: list[dict[str, str]], *, settle: bool = True, **extra: Any
-    ) -> dict[str, Any]:
+    async def chat(self, messages: list[dict[str, str]], **extra: Any) -> dict[str, Any]:
         """One non-streaming chat request through the router; returns the JSON answer plus
-        `_worker` (which engine answered) and records its cached tokens. With `settle`, returns
-        once the router has applied the events the request caused (see `events_applied`)."""
+        `_worker` (which engine answered) and records its cached tokens, once the router has
+        applied the events the request caused (see `events_applied`)."""
         body = {"model": MODEL, "messages": messages, "max_tokens": 8, **extra}
         resp = await self.client.post("/v1/chat/completions", json=body)
         assert resp.status_code == 200, resp.text
@@ -53,8 +51,7 @@ class SimRig:
         answer["_worker"] = worker
         cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
         self.cached[worker] = self.cached.get(worker, 0) + cached
-        if settle:
-            await self.events_applied()
+        await self.events_applied()
         return answer
 
     async def events_applied(self, timeout: float = 10.0) -> None:

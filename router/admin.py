@@ -199,6 +199,7 @@ class Admin:
                 "prefilling": w.load.prefilling,
                 "queued_prefill_tokens": w.load.queued_prefill_tokens,
                 "requests_total": w.load.started_total,
+                "step_period_s": w.load.steps.period,
                 "engine": None
                 if m is None
                 else {

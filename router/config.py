@@ -89,6 +89,12 @@ class PolicyConfig:
         "requests got less cache than under smg, mostly second turns that moved and kept only "
         "the shared system prompt; at 1 ms, 3)",
     )
+    step_wait_weight: float = _f(
+        1.0,
+        "weight of the expected wait for a worker's step in flight in the TTFT estimate (vLLM "
+        "schedules a new request's prefill when the running step ends; each worker's step "
+        "period and phase are learned from the stream chunks the router relays); 0 = ignore",
+    )
     saturation_queue_s: float = _f(
         2.0, "a worker whose queued prefill exceeds this many seconds is saturated"
     )

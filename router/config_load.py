@@ -270,6 +270,7 @@ def validate(c: RouterConfig) -> list[str]:
         need(getattr(p, key) > 0, f"policy.{key}: expected a number > 0")
     need(p.decode_s_per_running >= 0, "policy.decode_s_per_running: expected >= 0")
     need(p.decode_s_per_running_home >= 0, "policy.decode_s_per_running_home: expected >= 0")
+    need(p.step_wait_weight >= 0, "policy.step_wait_weight: expected >= 0")
     need(p.affinity_weight >= 0, "policy.affinity_weight: expected >= 0")
     need(p.queue_weight >= 0, "policy.queue_weight: expected >= 0")
     need(p.session_bounded_load >= 1, "policy.session_bounded_load: expected >= 1")

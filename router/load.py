@@ -10,7 +10,9 @@ replicas' load, and it is added (waiting requests at the learned mean prefill si
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from router.step_clock import StepClock
 
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
@@ -39,6 +41,7 @@ class WorkerLoad:
     queued_prefill_tokens: int = 0  # their uncached prompt tokens
     engine: EngineMetrics | None = None
     started_total: int = 0
+    steps: StepClock = field(default_factory=StepClock)  # learned from relayed stream chunks
 
     def others(self, now: float, stale_after: float) -> tuple[int, int]:
         """(running, waiting) requests the engine had that this process did not send."""

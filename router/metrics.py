@@ -225,6 +225,10 @@ class WorkerStateCollector(Collector):
         entries = fam("kvroute_worker_index_entries", "Index entries held for the worker")
         live = fam("kvroute_worker_events_live", "1 when the event stream is live")
         lag = fam("kvroute_worker_events_age_seconds", "Seconds since the last event message")
+        step = fam(
+            "kvroute_worker_step_period_seconds",
+            "Engine step period learned from relayed stream chunks (median of recent gaps)",
+        )
         for w in self._workers:
             name = [w.name]
             running.add_metric(name, w.load.running)
@@ -235,6 +239,8 @@ class WorkerStateCollector(Collector):
                 eng_waiting.add_metric(name, m.waiting)
                 if m.kv_usage is not None:
                     kv.add_metric(name, m.kv_usage)
+            if w.load.steps.period is not None:
+                step.add_metric(name, w.load.steps.period)
             healthy.add_metric(name, -1 if w.healthy is None else int(w.healthy))
             breaker.add_metric(name, STATE_CODES[w.breaker.state])
             draining.add_metric(name, int(w.state == "draining"))
@@ -250,4 +256,4 @@ class WorkerStateCollector(Collector):
                     if status.last_message_at is not None:
                         lag.add_metric(name, max(0.0, now - status.last_message_at))
         yield from (running, queued, eng_running, eng_waiting, kv, healthy, breaker, draining)
-        yield from (valid, entries, live, lag)
+        yield from (valid, entries, live, lag, step)

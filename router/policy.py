@@ -7,12 +7,14 @@ that picture, so a decision can always be explained after the fact.
 Estimated TTFT of a request on worker w (seconds):
     (queue_weight * queued_prefill(w) + uncached(w)) / prefill_rate
         + decode_s_per_running * running(w)
+        + step_wait_weight * step_wait(w)
 (decode_s_per_running_home instead on the request's home: the one worker whose reuse beats
 every other's by at least a hash unit, see `home_worker`)
 where prefill_rate is `policy.prefill_tokens_per_s` (or, with `policy.learn_prefill_rate`, the
 rate measured from streamed first bytes), queued_prefill counts this process's in-flight
 prefill tokens plus the engine's other waiting requests at the learned mean size, and
-uncached(w) = prompt tokens - reuse(w).
+uncached(w) = prompt tokens - reuse(w), and step_wait(w) is the expected wait for the engine
+step in flight on a busy worker (`router.step_clock`).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ class Candidate:
     est_ttft_s: float
     saturated: bool
     affinity: int = 0  # full-attention prompt tokens beyond the reuse (a junction saved there)
+    step_wait_s: float = 0.0  # expected wait for the worker's step in flight (in est_ttft_s)
 
     @property
     def name(self) -> str:
@@ -112,6 +115,7 @@ class LoadModel:
         home = home_worker(reuse, cfg.hash_unit)
         per_running_home = cfg.decode_s_per_running_home
         queue_weight = cfg.queue_weight
+        step_weight = cfg.step_wait_weight
         sat_queue = cfg.saturation_queue_s
         max_running = cfg.max_running_per_worker
         kv_sat = cfg.kv_usage_saturation
@@ -139,15 +143,19 @@ class LoadModel:
             else:
                 uncached = n_tokens - r
             queue_s = queued * inv_rate
+            step_wait = load.steps.expected_wait(now, running > 0) if step_weight else 0.0
             est = (
                 queue_weight * queue_s
                 + uncached * inv_rate
                 + (per_running_home if worker.name == home else per_running) * running
+                + step_weight * step_wait
             )
             saturated = (
                 queue_s > sat_queue or running >= max_running or (kv is not None and kv >= kv_sat)
             )
-            append(Candidate(worker, r, uncached, running, queued, kv, est, saturated))
+            append(
+                Candidate(worker, r, uncached, running, queued, kv, est, saturated, 0, step_wait)
+            )
         return out
 
 

@@ -45,6 +45,7 @@ from router.policy import Candidate
 from router.retry import Backoff, RetryBudget, retryable_status
 from router.routing import Prompt, Routing
 from router.sse import SseFilter, Usage, usage_from_json
+from router.step_clock import StepClock
 from router.tokenize.ratelog import RateLimitedLog
 from router.upstream import Upstream, UpstreamConnectError, UpstreamResponse, UpstreamTimeout
 from router.verify import Verifier
@@ -363,6 +364,7 @@ class Proxy:
                     if prompt.partial is not None:
                         predicted = await self._complete(worker, cand, prompt, record)
                     first = await resp.next_chunk()
+                    worker.load.steps.observe(self._clock())
                     if self._prefill_rate is not None and first:
                         self._prefill_rate.observe(
                             cand.queued_tokens + cand.uncached, time.perf_counter() - dispatched
@@ -393,7 +395,9 @@ class Proxy:
                     (b"x-kvroute-predicted-cached-tokens", str(predicted or 0).encode()),
                 ]
             if req.stream and resp.status == 200:
-                usage = await self._stream(resp, first, out_headers, inject_usage, send, record)
+                usage = await self._stream(
+                    resp, first, out_headers, inject_usage, send, record, worker.load.steps
+                )
             else:
                 resp.release()
                 await send(
@@ -441,8 +445,12 @@ class Proxy:
         inject_usage: bool,
         send: Send,
         record: DecisionRecord,
+        steps: StepClock,
     ) -> Usage | None:
+        """Relay the stream; each chunk's arrival also ticks the worker's step clock (an
+        engine step's end sends every running stream a chunk)."""
         sse = SseFilter(strip_usage_chunk=inject_usage)
+        clock = self._clock
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         chunk = first
         out = b""
@@ -455,6 +463,7 @@ class Proxy:
                     await send({"type": "http.response.body", "body": out, "more_body": True})
                 out = b""
                 chunk = await resp.next_chunk()
+                steps.observe(clock())
         except (UpstreamConnectError, UpstreamTimeout) as exc:
             self._metrics.child(self._metrics.errors, MID_STREAM.kind).inc()
             self._ratelog.warning(MID_STREAM.kind, "upstream failed mid-stream: %s", exc)

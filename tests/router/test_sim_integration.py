@@ -406,3 +406,49 @@ def test_streamed_turns_routed_on_their_history_are_predicted_exactly(profile: s
     assert rest >= len(pairs)  # every follow-up turn took the partial path
     assert all(cached > 0 for _, cached in pairs), pairs
     assert all(p == c for p, c in pairs), pairs
+
+
+def test_router_learns_each_engines_step_period_from_relayed_chunks() -> None:
+    """Streams through the router tick each worker's step clock: the learned period matches
+    the simulated engine's modelled step time, and a request routed while they run is charged
+    the wait for the step in flight (visible in its decision record)."""
+    from sim.timing import DEFAULT_GPU
+
+    speed = 0.5  # decode steps of ~14 ms, well above the 3 ms merge window
+    streams = 3
+
+    async def one(r: SimRig, i: int, max_tokens: int) -> None:
+        body = {
+            "model": MODEL,
+            "prompt": f"s{i} " + " ".join(f"w{i}x{k}" for k in range(60)),
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        async with r.client.stream("POST", "/v1/completions", json=body) as resp:
+            assert resp.status_code == 200
+            async for _ in resp.aiter_bytes():
+                pass
+
+    async def go() -> tuple[dict[str, Any], dict[str, Any], str]:
+        async with sim_fleet(1, engine={"speed": speed}) as r:
+            running = [asyncio.create_task(one(r, i, 60)) for i in range(streams)]
+            await asyncio.sleep(0.5)  # their decode steps are ticking the clock by now
+            await one(r, 99, 1)
+            await asyncio.gather(*running)
+            workers = (await r.client.get("/admin/workers", headers=r.admin())).json()
+            decisions = (await r.client.get("/admin/decisions", headers=r.admin())).json()
+            metrics = (await r.client.get("/metrics")).text
+            return workers, decisions, metrics
+
+    workers, decisions, metrics = asyncio.run(go())
+    period = workers["workers"][0]["load"]["step_period_s"]
+    # three streams decoding at ~90 tokens of context each
+    modelled = DEFAULT_GPU.step_seconds(0, 0, streams, streams * 90) / speed
+    assert period is not None and 0.7 * modelled < period < 1.6 * modelled, (period, modelled)
+    assert f'kvroute_worker_step_period_seconds{{worker="w0"}} {period}' in metrics
+    records = decisions["decisions"]
+    assert len(records) == streams + 1
+    waits = {d["request_id"]: d["candidates"][0]["step_wait_s"] for d in records}
+    assert [waits[f"kvr-{i}"] for i in range(1, streams + 1)] == [0.0] * streams  # idle then
+    assert 0.0 < waits[f"kvr-{streams + 1}"] <= period

@@ -1,0 +1,78 @@
+"""A worker's step clock, learned from the streamed chunks the router relays.
+
+vLLM runs one batch step at a time. A request that arrives while a step is in flight waits
+for that step to end before the scheduler can take its prefill, and each step's end sends a
+chunk to every stream running on the engine. So the chunk arrivals the proxy already sees tell
+each worker's step period (the time between step ends) and phase (when the last step ended),
+and from those the expected wait for the step in flight when a request would arrive now.
+
+Arrivals closer together than `merge_s` are one step end (the engine writes each stream's
+chunk in turn). Gaps longer than `max_gap_s` are an idle engine, not a step, and are not
+counted; the period is the median of the last `window` gaps, so a missed step (a gap of two
+periods) or one prefill-heavy step does not move it. Pure: the caller passes the time.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from statistics import median
+
+
+class StepClock:
+    """Period and phase of one worker's engine steps (see the module doc)."""
+
+    __slots__ = ("_gaps", "_last_end", "_max_gap", "_merge", "_stale_periods", "period")
+
+    def __init__(
+        self,
+        merge_s: float = 0.003,
+        max_gap_s: float = 1.0,
+        window: int = 15,
+        stale_periods: float = 3.0,
+    ) -> None:
+        self._merge = merge_s
+        self._max_gap = max_gap_s
+        self._stale_periods = stale_periods
+        self._gaps: deque[float] = deque(maxlen=window)
+        self._last_end: float | None = None
+        self.period: float | None = None  # median step period in seconds, once learned
+
+    @property
+    def last_end(self) -> float | None:
+        """When the last step end was seen (the caller's clock), or None."""
+        return self._last_end
+
+    def observe(self, at: float) -> None:
+        """A streamed chunk from this worker arrived at time `at`."""
+        last = self._last_end
+        if last is None:
+            self._last_end = at
+            return
+        gap = at - last
+        if gap < self._merge:
+            return  # the same step end, another stream's chunk (or out of order)
+        self._last_end = at
+        if gap > self._max_gap:
+            return  # the engine was idle in between: not a step
+        self._gaps.append(gap)
+        self.period = median(self._gaps)
+
+    def expected_wait(self, now: float, busy: bool) -> float:
+        """Seconds until the step in flight ends, for a request arriving at `now`.
+
+        0 when the worker is idle (`busy` False: an idle engine starts a step at once) or
+        no period is known yet; half a period when the phase is unknown or older than
+        `stale_periods` periods (the steps went on unseen); else the time to the next step
+        end on the learned clock."""
+        period = self.period
+        if not busy or period is None or period <= 0:
+            return 0.0
+        last = self._last_end
+        if last is None:
+            return period / 2
+        elapsed = now - last
+        if elapsed < 0:
+            return period  # a chunk stamped after `now`: a step just ended
+        if elapsed > self._stale_periods * period:
+            return period / 2
+        return period - (elapsed % period)

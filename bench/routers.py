@@ -36,6 +36,7 @@ class RouterSpec:
     label: str  # row label in tables
     kind: str  # kvroute | smg | vllm-router | proxy
     policy: str
+    env: tuple[tuple[str, str], ...] = ()  # extra environment (kvroute: KVROUTE_* settings)
 
 
 ROUTERS: dict[str, RouterSpec] = {
@@ -44,6 +45,13 @@ ROUTERS: dict[str, RouterSpec] = {
         RouterSpec("kvroute", "kvroute (default)", "kvroute", "ttft"),
         RouterSpec(
             "kvroute-fa-only", "kvroute full-attention only", "kvroute", "full_attention_only"
+        ),
+        RouterSpec(
+            "kvroute-no-step-wait",
+            "kvroute (default, step wait off)",
+            "kvroute",
+            "ttft",
+            (("KVROUTE_POLICY__STEP_WAIT_WEIGHT", "0"),),
         ),
         RouterSpec("kvroute-session", "kvroute session affinity", "kvroute", "session"),
         RouterSpec("kvroute-least-load", "kvroute least load", "kvroute", "least_load"),
@@ -228,7 +236,11 @@ def start_router(
     model."""
     port = free_port()
     child = pg.start(
-        f"router-{spec.name}", command(spec, port, fleet, peers), cwd=Path.cwd(), cpus=cpus
+        f"router-{spec.name}",
+        command(spec, port, fleet, peers),
+        env=dict(spec.env),
+        cwd=Path.cwd(),
+        cpus=cpus,
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout_s

@@ -142,6 +142,9 @@
         loadCell.appendChild(el("div", "engine: " + num(eng.running) + " running, " + num(eng.waiting) + " waiting", "muted"));
       }
       loadCell.appendChild(el("div", num(load.queued_prefill_tokens) + " prefill tokens queued", "muted"));
+      if (load.step_period_s) {
+        loadCell.appendChild(el("div", "step " + (load.step_period_s * 1000).toFixed(1) + " ms", "muted"));
+      }
       tr.appendChild(loadCell);
 
       const kv = td();
@@ -213,7 +216,8 @@
         (c.predicted_reuse === null ? "no evidence" : num(c.predicted_reuse) + " tok") +
         " · " + c.est_ttft_s.toFixed(3) + " s" + (c.saturated ? " · saturated" : "")));
       chip.title = "uncached " + num(c.uncached_tokens) + " tokens, running " + num(c.running) +
-        ", queued prefill " + num(c.queued_prefill_tokens) + " tokens";
+        ", queued prefill " + num(c.queued_prefill_tokens) + " tokens" +
+        (c.step_wait_s ? ", step in flight ends in " + (c.step_wait_s * 1000).toFixed(1) + " ms" : "");
       wrap.appendChild(chip);
     }
     return wrap;

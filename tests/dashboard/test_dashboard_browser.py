@@ -151,6 +151,20 @@ def test_loads_shows_fleet_updates_and_scores(live: LiveRun, page: Any) -> None:
     page.wait_for_function(
         "() => document.querySelector('#workers tbody').textContent.includes('sliding_window')"
     )
+    # A streamed answer ticks its worker's step clock: the row shows the learned step period.
+    streamed = {**_chat("tell me more"), "max_tokens": 24, "ignore_eos": True, "stream": True}
+    with httpx.stream(
+        "POST", f"{live.url}/v1/chat/completions", json=streamed, timeout=30.0
+    ) as sresp:
+        assert sresp.status_code == 200
+        stepped = sresp.headers["x-kvroute-worker"]
+        for _ in sresp.iter_bytes():
+            pass
+    page.wait_for_function(
+        "w => { const r = document.querySelector(`#workers tbody tr[data-worker='${w}']`);"
+        " return r && /step \\d+\\.\\d ms/.test(r.textContent); }",
+        arg=stepped,
+    )
     if os.environ.get("KVROUTE_DASHBOARD_SCREENSHOT"):
         page.screenshot(path=os.environ["KVROUTE_DASHBOARD_SCREENSHOT"], full_page=True)
 

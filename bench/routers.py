@@ -47,11 +47,11 @@ ROUTERS: dict[str, RouterSpec] = {
             "kvroute-fa-only", "kvroute full-attention only", "kvroute", "full_attention_only"
         ),
         RouterSpec(
-            "kvroute-no-step-wait",
-            "kvroute (default, step wait off)",
+            "kvroute-step-wait",
+            "kvroute (default + step wait)",
             "kvroute",
             "ttft",
-            (("KVROUTE_POLICY__STEP_WAIT_WEIGHT", "0"),),
+            (("KVROUTE_POLICY__STEP_WAIT_WEIGHT", "1"),),
         ),
         RouterSpec("kvroute-session", "kvroute session affinity", "kvroute", "session"),
         RouterSpec("kvroute-least-load", "kvroute least load", "kvroute", "least_load"),

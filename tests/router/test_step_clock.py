@@ -121,7 +121,7 @@ def test_the_step_wait_does_not_move_a_request_off_its_cache() -> None:
         LoadTicket(w.load, 0).prefill_done()
     ticks(ws[0].load.steps, 0.0, 0.03, 10, streams=1)
     ticks(ws[1].load.steps, -0.025, 0.03, 10, streams=1)
-    cfg = PolicyConfig(prefill_tokens_per_s=6000.0)
+    cfg = PolicyConfig(prefill_tokens_per_s=6000.0, step_wait_weight=1.0)
     d = make_policy(cfg, LoadModel(cfg, lambda: 1000.0, 5.0)).decide(
         ws, RouteInput(2000, {"w0": 1600, "w1": 0}, None), 0.272
     )

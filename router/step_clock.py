@@ -6,6 +6,14 @@ chunk to every stream running on the engine. So the chunk arrivals the proxy alr
 each worker's step period (the time between step ends) and phase (when the last step ended),
 and from those the expected wait for the step in flight when a request would arrive now.
 
+The phase is known only roughly: a step end is seen after the engine wrote the chunks and
+the router read them, steps with prefill in them run longer than the median, and the request
+reaches the engine a moment after it is routed. A step that looks about to end may already be
+over when the request arrives, and then it waits a whole period. So the wait is an
+expectation over a step end spread uniformly `uncertainty` periods either side of where the
+clock puts it: a worker whose step seems to end any moment is not a sure win (routing to the
+smallest point estimate picked exactly those, and measured slower than ignoring the phase).
+
 Arrivals closer together than `merge_s` are one step end (the engine writes each stream's
 chunk in turn). Gaps longer than `max_gap_s` are an idle engine, not a step, and are not
 counted; the period is the median of the last `window` gaps, so a missed step (a gap of two
@@ -21,7 +29,15 @@ from statistics import median
 class StepClock:
     """Period and phase of one worker's engine steps (see the module doc)."""
 
-    __slots__ = ("_gaps", "_last_end", "_max_gap", "_merge", "_stale_periods", "period")
+    __slots__ = (
+        "_gaps",
+        "_last_end",
+        "_max_gap",
+        "_merge",
+        "_stale_periods",
+        "_uncertainty",
+        "period",
+    )
 
     def __init__(
         self,
@@ -29,8 +45,10 @@ class StepClock:
         max_gap_s: float = 1.0,
         window: int = 15,
         stale_periods: float = 3.0,
+        uncertainty: float = 0.25,
     ) -> None:
         self._merge = merge_s
+        self._uncertainty = uncertainty
         self._max_gap = max_gap_s
         self._stale_periods = stale_periods
         self._gaps: deque[float] = deque(maxlen=window)
@@ -62,17 +80,28 @@ class StepClock:
 
         0 when the worker is idle (`busy` False: an idle engine starts a step at once) or
         no period is known yet; half a period when the phase is unknown or older than
-        `stale_periods` periods (the steps went on unseen); else the time to the next step
-        end on the learned clock."""
+        `stale_periods` periods (the steps went on unseen); else the expected time to the
+        next step end on the learned clock, its position uncertain by `uncertainty` periods
+        either way (see the module doc). Always within [0, period]."""
         period = self.period
         if not busy or period is None or period <= 0:
             return 0.0
         last = self._last_end
         if last is None:
             return period / 2
-        elapsed = now - last
-        if elapsed < 0:
-            return period  # a chunk stamped after `now`: a step just ended
+        elapsed = max(0.0, now - last)
         if elapsed > self._stale_periods * period:
             return period / 2
-        return period - (elapsed % period)
+        return _expected_wait(period - (elapsed % period), period, self._uncertainty * period)
+
+
+def _expected_wait(remaining: float, period: float, spread: float) -> float:
+    """E[wait] when the next step end T lies uniformly in [remaining - spread, remaining +
+    spread] (remaining in (0, period], spread at most half a period): if T < 0 the step
+    ended before the request arrived and it waits for the next one, T + period. So
+    E[wait] = remaining + period * P(T < 0). (A later end only lengthens the wait: the
+    step seen ending at the last chunk did end.)"""
+    spread = min(spread, period / 2)
+    if spread <= 0 or remaining >= spread:
+        return remaining
+    return remaining + period * (spread - remaining) / (2 * spread)

@@ -64,6 +64,23 @@ def test_expected_wait_on_the_learned_clock() -> None:
     assert StepClock().expected_wait(5.0, busy=True) == 0.0
 
 
+def test_a_step_that_seems_about_to_end_is_not_a_sure_win() -> None:
+    """The clock's phase is rough (chunks are seen late, the request arrives a moment after
+    routing): a step end within the uncertainty may be past, costing a whole period."""
+    period = 0.04
+    clock = StepClock(uncertainty=0.25)  # step end known to +-10 ms
+    last = ticks(clock, 0.0, period, 10, streams=1)
+    waits = {ms: clock.expected_wait(last + period - ms / 1000, busy=True) for ms in range(0, 41)}
+    assert waits[0] == pytest.approx(period / 2)  # as likely missed as not
+    assert min(waits, key=lambda ms: waits[ms]) == 10  # the best bet: at the uncertainty
+    assert waits[10] == pytest.approx(0.010)
+    assert waits[25] == pytest.approx(0.025) and waits[40] == pytest.approx(period)
+    # a certain clock gives the point estimate
+    exact = StepClock(uncertainty=0.0)
+    ticks(exact, 0.0, period, 10, streams=1)
+    assert exact.expected_wait(last + period - 0.001, busy=True) == pytest.approx(0.001)
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     arrivals=st.lists(st.floats(0.0, 5.0, allow_nan=False), min_size=0, max_size=60),
@@ -109,7 +126,8 @@ def test_the_policy_picks_the_worker_whose_step_ends_first() -> None:
         by = {c.name: c for c in d.candidates}
         if weight:
             assert by["w0"].step_wait_s == pytest.approx(0.028)
-            assert by["w1"].step_wait_s == pytest.approx(0.003)
+            # 3 ms left on the clock, but the end may be past: 3 + 30 * 4.5 / 15 ms
+            assert by["w1"].step_wait_s == pytest.approx(0.012)
         else:
             assert by["w0"].step_wait_s == by["w1"].step_wait_s == 0.0
     assert chosen == {1.0: "w1", 0.0: "w0"}  # without the wait, the name breaks the tie

@@ -94,8 +94,8 @@ class PolicyConfig:
         "weight of the expected wait for a worker's step in flight in the TTFT estimate (vLLM "
         "schedules a new request's prefill when the running step ends; each worker's step "
         "period and phase are learned from the stream chunks the router relays); off by "
-        "default: at 1 the routing benchmark measured no better p50 (dense, three seeds: "
-        "+2.4 ms, n.d.) and a worse sliding-window p99 (+1.3 s) than at 0 (see README)",
+        "default: on the routing benchmark (three seeds) it measured no better than 0 (see "
+        "bench/results/step_wait_ab)",
     )
     saturation_queue_s: float = _f(
         2.0, "a worker whose queued prefill exceeds this many seconds is saturated"

@@ -150,6 +150,17 @@ class TextEncoder:
             window *= 4
             start = max(lo + 1, start - window)
 
+    def first_cache_anchor(self, text: str, lo: int) -> int | None:
+        """The first cut in `text` after `lo` that stays valid when `text` is extended later
+        (where a conversation's first message, such as a shared system prompt, ends)."""
+        if self._anchor_re is None:
+            return None
+        hi = len(text) - self.max_added_len
+        for m in self._anchor_re.finditer(text, lo + 1, max(lo + 1, hi + 1)):
+            if self._is_cut(text, m.start()):
+                return m.start()
+        return None
+
     def cache_anchor(self, text: str, lo: int) -> int | None:
         """A cut in `text` after `lo` that stays valid when `text` is extended later."""
         return self.last_anchor(text, lo, len(text) - self.max_added_len)

@@ -8,6 +8,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Any
 
 from router.tokenize.chat_request import (
@@ -142,7 +143,7 @@ class LocalTokenizer:
         self, body: Mapping[str, Any], encode: PieceEncoder | None = None
     ) -> tuple[list[int], EncodeStats]:
         text, add_special = self.render_chat(body)
-        return self.text_ids(text, add_special, encode)
+        return self.text_ids(text, add_special, encode, shared_end=first_message_end(text, body))
 
     def text_ids(
         self,
@@ -150,15 +151,19 @@ class LocalTokenizer:
         add_special_tokens: bool,
         encode: PieceEncoder | None = None,
         lookup: Lookup | None = None,
+        shared_end: int | None = None,
     ) -> tuple[list[int], EncodeStats]:
         """Ids of `text` (from the prefix cache where possible), bounded by the spec.
         `lookup`: `cached_prefix(text)` if the caller already made it (not made again; a hit's
-        ids stay right even if its entry was evicted since)."""
+        ids stay right even if its entry was evicted since). `shared_end`: where the text's
+        first message ends (`first_message_end`); a text the cache knows nothing of is then
+        also remembered through the first cut after it, for other conversations that open
+        with the same message."""
         self.check_length(text)
         enc = encode or self.encoder.encode_pieces
         try:
             ids, stats = (
-                self._ids_cached(text, enc, lookup or self.cached_prefix(text))
+                self._ids_cached(text, enc, lookup or self.cached_prefix(text), shared_end)
                 if self._cache_enabled
                 else self._ids_plain(text, enc)
             )
@@ -242,17 +247,30 @@ class LocalTokenizer:
         self._encoded_tokens += tokens
 
     def _ids_cached(
-        self, text: str, encode: PieceEncoder, lookup: Lookup
+        self, text: str, encode: PieceEncoder, lookup: Lookup, shared_end: int | None = None
     ) -> tuple[list[int], EncodeStats]:
         digests, hit = lookup.digests, lookup.hit
         start, prefix = (hit.anchor, hit.ids) if hit is not None else (0, [])
+        guard = self.encoder.guard_chars
         cut = self.encoder.cache_anchor(text, start)
-        pieces = [text[start:cut], text[cut:]] if cut is not None else [text[start:]]
-        encoded = encode(pieces)
-        ids = prefix + encoded[0]
-        if cut is not None:
-            self.cache.insert(text, digests, cut, cut + self.encoder.guard_chars, ids)
-            ids = ids + encoded[1]
+        # A text nothing cached starts: also remember it through its first message, so other
+        # conversations that open with the same system prompt reuse its ids instead of
+        # encoding it again (their first turns otherwise miss the cache entirely).
+        first = (
+            self.encoder.first_cache_anchor(text, shared_end - 1)
+            if hit is None and shared_end
+            else None
+        )
+        cuts = [c for c in (first, cut) if c is not None]
+        if len(cuts) == 2 and cuts[0] >= cuts[1]:
+            cuts = cuts[1:]
+        bounds = [start, *cuts, len(text)]
+        encoded = encode([text[a:b] for a, b in pairwise(bounds)])
+        ids = prefix
+        for c, piece in zip(cuts, encoded, strict=False):
+            ids = ids + piece
+            self.cache.insert(text, digests, c, c + guard, ids)
+        ids = ids + encoded[-1]
         new = sum(len(p) for p in encoded)
         self._measured(len(text) - start, new)
         if hit is not None and self._verify_every > 0:
@@ -276,3 +294,17 @@ class LocalTokenizer:
             if self._on_mismatch is not None:
                 self._on_mismatch()
         return fresh
+
+
+def first_message_end(text: str, body: Mapping[str, Any]) -> int | None:
+    """Where the first message's text content ends in a rendered chat prompt (None when the
+    first message has no plain text content or the template did not copy it verbatim)."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages or not isinstance(messages[0], dict):
+        return None
+    content = messages[0].get("content")
+    if not isinstance(content, str):
+        return None
+    content = content.strip()  # templates often trim a message
+    at = text.find(content) if content else -1
+    return at + len(content) if at >= 0 else None

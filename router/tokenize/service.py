@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry
 
 from router.tokenize.chat_request import NotExact
 from router.tokenize.errors import TokenizeError
-from router.tokenize.local import EncodeStats, LocalTokenizer
+from router.tokenize.local import EncodeStats, LocalTokenizer, first_message_end
 from router.tokenize.metrics import TokenizeMetrics
 from router.tokenize.prefix_cache import Lookup, PrefixCache
 from router.tokenize.ratelog import RateLimitedLog
@@ -207,15 +207,23 @@ class Tokenizers:
                 estimate = len(hit.ids) + math.ceil(uncached / local.chars_per_token)
                 pending = PendingText(key, text, lookup, estimate)
                 return TokenizedPrompt(hit.ids, "local", pending)
-        return await self._encode(key, local, text, add_special, lookup)
+        shared_end = first_message_end(text, body) if endpoint == "/v1/chat/completions" else None
+        return await self._encode(key, local, text, add_special, lookup, shared_end)
 
     async def _encode(
-        self, key: str, local: LocalTokenizer, text: str, add_special: bool, lookup: Lookup
+        self,
+        key: str,
+        local: LocalTokenizer,
+        text: str,
+        add_special: bool,
+        lookup: Lookup,
+        shared_end: int | None = None,
     ) -> TokenizedPrompt:
+        encode = partial(local.text_ids, text, add_special, lookup=lookup, shared_end=shared_end)
         if lookup.uncached_chars(text) <= self._inline_chars:
-            ids, stats = local.text_ids(text, add_special, lookup=lookup)
+            ids, stats = encode()
         else:
-            ids, stats = await self._run(partial(local.text_ids, text, add_special, lookup=lookup))
+            ids, stats = await self._run(encode)
         self._count(key, stats)
         return TokenizedPrompt(ids, "local")
 

@@ -148,6 +148,26 @@ def test_history_is_not_retokenized(model_dirs: dict[str, Path]) -> None:
     assert max(encoded[1:]) < encoded[0] * 2
 
 
+@pytest.mark.parametrize("kind", ["chatml", "llama3", "sim"])
+def test_a_new_conversation_reuses_a_system_prompt_seen_in_another(
+    model_dirs: dict[str, Path], kind: str
+) -> None:
+    """First turns of different conversations that open with the same system prompt: the
+    second one takes the prompt's ids from the cache and encodes only its own message."""
+    tok = _local(SIM_MODEL if kind == "sim" else model_dirs[kind])
+    system = {"role": "system", "content": "You are a careful coding agent. Tools: " * 60}
+    first = [system, {"role": "user", "content": "open the file main.py " * 5}]
+    _, stats_a = tok.chat_ids({"model": "m", "messages": first})
+    assert not stats_a.cache_hit
+    other = [system, {"role": "user", "content": "list every test that fails " * 5}]
+    text_b, _ = tok.render_chat({"model": "m", "messages": other})
+    ids_b, stats_b = tok.chat_ids({"model": "m", "messages": other})
+    assert ids_b == _scratch(tok, text_b)
+    assert stats_b.cache_hit
+    assert stats_b.encoded_tokens < len(ids_b) / 4  # the system prompt was not encoded again
+    assert stats_b.reused_tokens > len(_scratch(tok, system["content"])) - 8
+
+
 def test_add_special_tokens_wraps_cached_ids(model_dirs: dict[str, Path]) -> None:
     tok = _local(model_dirs["metaspace"])
     base = "<s>[INST] hello [/INST] answer </s>"

@@ -176,6 +176,41 @@ def test_partial_ids_are_the_cached_start_and_finish_gives_the_whole(
     assert _value(reg, "kvroute_tokenize_seconds_count", mode="local_rest") == 1
 
 
+def test_a_first_turn_sharing_a_system_prompt_is_routed_on_it(
+    model_dirs: dict[str, Path],
+) -> None:
+    """Another conversation's first turn that opens with a system prompt the router has
+    tokenized before comes back partial: the system prompt's exact ids, its own long message
+    pending (before, only the same conversation's next turn hit the cache)."""
+    spec = TokenizerSpec("local", path=str(model_dirs["chatml"]))
+    ref = _reference(model_dirs["chatml"])
+    system = {"role": "system", "content": "You are the fleet's coding agent. " * 40}
+
+    def first_turn(question: str) -> dict[str, Any]:
+        return {"model": "m", "messages": [system, {"role": "user", "content": question}]}
+
+    async def go() -> None:
+        tz = Tokenizers({"m": spec})
+        try:
+            one = await tz.token_ids(
+                "m", CHAT, first_turn("why? " * 150), None, partial_min_chars=512
+            )
+            assert one is not None and one.pending is None  # nothing cached yet: whole
+            other = first_turn("how does the cache work? " * 40)
+            got = await tz.token_ids("m", CHAT, other, None, partial_min_chars=512)
+            assert got is not None and got.pending is not None
+            whole = ref.chat_ids(other)[0]
+            system_ids = ref.encoder.encode(system["content"])
+            assert len(system_ids) <= len(got.token_ids) < len(whole)
+            assert got.token_ids == whole[: len(got.token_ids)]
+            done = await tz.finish(got)
+            assert done is not None and done.token_ids == whole
+        finally:
+            await tz.aclose()
+
+    run(go)
+
+
 def test_partial_rest_that_fails_gives_none_and_is_counted(model_dirs: dict[str, Path]) -> None:
     """The rest of a partial prompt is encoded after dispatch: a failure there (here the
     prompt bound) returns None instead of raising, and is counted."""

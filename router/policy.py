@@ -154,7 +154,9 @@ class LoadModel:
                 queue_s > sat_queue or running >= max_running or (kv is not None and kv >= kv_sat)
             )
             append(
-                Candidate(worker, r, uncached, running, queued, kv, est, saturated, 0, step_wait)
+                Candidate(
+                    worker, r, uncached, running, queued, kv, est, saturated, step_wait_s=step_wait
+                )
             )
         return out
 

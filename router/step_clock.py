@@ -47,6 +47,8 @@ class StepClock:
         stale_periods: float = 3.0,
         uncertainty: float = 0.25,
     ) -> None:
+        if merge_s <= 0:
+            raise ValueError("merge_s must be > 0 (so every counted gap, and the period, is)")
         self._merge = merge_s
         self._uncertainty = uncertainty
         self._max_gap = max_gap_s
@@ -79,16 +81,13 @@ class StepClock:
         """Seconds until the step in flight ends, for a request arriving at `now`.
 
         0 when the worker is idle (`busy` False: an idle engine starts a step at once) or
-        no period is known yet; half a period when the phase is unknown or older than
-        `stale_periods` periods (the steps went on unseen); else the expected time to the
+        no period is known yet; half a period when the phase is older than `stale_periods`
+        periods (the steps went on unseen); else the expected time to the
         next step end on the learned clock, its position uncertain by `uncertainty` periods
         either way (see the module doc). Always within [0, period]."""
-        period = self.period
-        if not busy or period is None or period <= 0:
+        period, last = self.period, self._last_end
+        if not busy or period is None or last is None:  # a period implies a last end
             return 0.0
-        last = self._last_end
-        if last is None:
-            return period / 2
         elapsed = max(0.0, now - last)
         if elapsed > self._stale_periods * period:
             return period / 2

@@ -261,9 +261,7 @@ class LocalTokenizer:
             if hit is None and shared_end
             else None
         )
-        cuts = [c for c in (first, cut) if c is not None]
-        if len(cuts) == 2 and cuts[0] >= cuts[1]:
-            cuts = cuts[1:]
+        cuts = sorted({c for c in (first, cut) if c is not None})  # first may be the last cut
         bounds = [start, *cuts, len(text)]
         encoded = encode([text[a:b] for a, b in pairwise(bounds)])
         ids = prefix

@@ -207,7 +207,12 @@ class Tokenizers:
                 estimate = len(hit.ids) + math.ceil(uncached / local.chars_per_token)
                 pending = PendingText(key, text, lookup, estimate)
                 return TokenizedPrompt(hit.ids, "local", pending)
-        shared_end = first_message_end(text, body) if endpoint == "/v1/chat/completions" else None
+        # only a text the cache knows nothing of gets the first-message entry (`text_ids`)
+        shared_end = (
+            first_message_end(text, body)
+            if hit is None and endpoint == "/v1/chat/completions"
+            else None
+        )
         return await self._encode(key, local, text, add_special, lookup, shared_end)
 
     async def _encode(

@@ -145,3 +145,8 @@ def test_the_step_wait_does_not_move_a_request_off_its_cache() -> None:
     )
     # 25 ms more wait on w0 against 1,600 tokens (~0.27 s) of prefill on w1
     assert d.chosen is not None and d.chosen.name == "w0"
+
+
+def test_a_merge_window_of_zero_is_refused() -> None:
+    with pytest.raises(ValueError, match="merge_s"):
+        StepClock(merge_s=0.0)

@@ -28,6 +28,7 @@ from sim.engine.core import Engine, EngineConfig
 from sim.publisher import EventPublisher, PublisherConfig
 
 DEFAULT_PUBLISHER = PublisherConfig()  # loopback, ephemeral PUB and replay ports, wire 0.33
+SHUTDOWN_GRACE_S = 1.0  # how long a stopping engine lets running requests finish
 
 
 def bind_socket(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
@@ -96,7 +97,15 @@ async def start_engine(
     app = build_app(engine, publisher, fail_seed=fail_seed)
     sock = bind_socket(host, port)
     server = uvicorn.Server(
-        uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="on")
+        uvicorn.Config(
+            app,
+            log_level=log_level,
+            access_log=False,
+            lifespan="on",
+            # requests still running at shutdown are cancelled after this (their clients see
+            # the connection end) instead of holding the stop forever
+            timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+        )
     )
     task = asyncio.create_task(server.serve(sockets=[sock]), name="sim-http")
     while not server.started:
@@ -108,6 +117,19 @@ async def start_engine(
             raise RuntimeError("simulated engine server exited during start-up")
         await asyncio.sleep(0.01)
     return RunningEngine(engine, publisher, server, task, host, sock.getsockname()[1])
+
+
+def _close_loop(loop: asyncio.AbstractEventLoop) -> None:
+    """Cancel every task still on a stopped loop, let them unwind, then close it (as
+    `asyncio.run` does): a coroutine left pending on a closed loop fails later, at garbage
+    collection, far from its cause."""
+    pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
+    for task in pending:
+        task.cancel()
+    if pending:
+        loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+    loop.run_until_complete(loop.shutdown_asyncgens())
+    loop.close()
 
 
 class SimEngineThread:
@@ -139,10 +161,14 @@ class SimEngineThread:
                 )
             except BaseException as exc:  # reported to the starting thread
                 error.append(exc)
+                _close_loop(self._loop)
                 ready.set()
                 return
             ready.set()
-            self._loop.run_forever()
+            try:
+                self._loop.run_forever()
+            finally:
+                _close_loop(self._loop)
 
         self._thread = threading.Thread(target=run, name="sim-engine-thread", daemon=True)
         self._thread.start()
@@ -161,10 +187,9 @@ class SimEngineThread:
         """Stop the engine and its thread (no-op if not running)."""
         if self.running is not None and self._thread is not None:
             with contextlib.suppress(Exception):
-                self.call(self.running.aclose())
+                self.call(self.running.aclose(), timeout=SHUTDOWN_GRACE_S + 10)
             self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(10)
-            self._loop.close()
+            self._thread.join(10)  # the thread cancels what is left and closes the loop
             self.running = None
 
     def __enter__(self) -> SimEngineThread:

@@ -34,6 +34,7 @@ from typing import IO, Any
 
 import yaml
 
+from bench.procs import cpu_seconds
 from sim.model import MODEL_DIR
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -105,8 +106,7 @@ class Proc:
         return 0
 
     def cpu_seconds(self) -> float:
-        fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return cpu_seconds(self.pid)
 
     def log_tail(self, lines: int = 40) -> str:
         try:

@@ -50,6 +50,37 @@ def wait_http(url: str, timeout_s: float, proc: subprocess.Popen[bytes] | None =
     raise TimeoutError(f"{url} did not answer within {timeout_s}s ({last})")
 
 
+def _stat_fields(pid: int | str) -> list[str]:
+    # after the command name (which may hold spaces and parentheses): state, ppid, pgrp, ...
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()
+
+
+def _fields_cpu_seconds(fields: list[str]) -> float:
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system) a live process has used so far."""
+    return _fields_cpu_seconds(_stat_fields(pid))
+
+
+def group_cpu_seconds(pgid: int) -> float:
+    """CPU time used so far by the live processes of one process group (a router and any
+    workers it forked)."""
+    total = 0.0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            fields = _stat_fields(entry)
+        except OSError:
+            continue  # exited meanwhile
+        if int(fields[2]) == pgid:
+            total += _fields_cpu_seconds(fields)
+    return total
+
+
 @dataclass
 class Child:
     name: str

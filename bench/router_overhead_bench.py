@@ -38,21 +38,10 @@ import uvloop
 import yaml
 
 from bench.instant_engine import running_engine
+from bench.procs import cpu_seconds, free_port
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PROMPT_IDS = list(range(1000, 1000 + 1024))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 @contextlib.contextmanager
@@ -61,7 +50,7 @@ def running_router(
 ) -> Iterator[tuple[str, int]]:
     """`kvroute serve` in front of one instant engine; yields (base URL, pid). `src`: run the
     router from another checkout (a baseline for side-by-side numbers)."""
-    port = _free_port()
+    port = free_port()
     config = {
         "workers": [{"name": "w0", "url": engine_url, "model": "m"}],
         "models": {"m": {"tokenizer": "request"}},
@@ -166,9 +155,9 @@ def proxy_overhead(total: int, baseline: str | None = None) -> list[dict[str, An
                 cell: dict[str, Any] = {"stream": stream, "concurrency": concurrency}
                 cell["direct"] = direct
                 for label, (router, pid) in routers.items():
-                    cpu0 = _cpu_seconds(pid)
+                    cpu0 = cpu_seconds(pid)
                     via = uvloop.run(_load(router + path, stream, concurrency, total))
-                    cpu = _cpu_seconds(pid) - cpu0
+                    cpu = cpu_seconds(pid) - cpu0
                     measured = {
                         "router": via,
                         "added_median_ms": via["median_ms"] - direct["median_ms"],
@@ -273,9 +262,9 @@ def paced_streams(
             direct = uvloop.run(_paced_load(engine + path, concurrency, total, stagger))
             cell: dict[str, Any] = {"stagger_s": stagger, "direct": direct}
             for label, (router, pid) in routers.items():
-                cpu0 = _cpu_seconds(pid)
+                cpu0 = cpu_seconds(pid)
                 via = uvloop.run(_paced_load(router + path, concurrency, total, stagger))
-                cpu = _cpu_seconds(pid) - cpu0
+                cpu = cpu_seconds(pid) - cpu0
                 measured = {
                     "router": via,
                     "added_first_median_ms": via["first_median_ms"] - direct["first_median_ms"],

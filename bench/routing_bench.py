@@ -32,7 +32,7 @@ from typing import Any
 from bench.fleet import Fleet, FleetError, delta, scrape, start_fleet, vllm_python
 from bench.loadgen import LoadConfig, progress_printer, run_trace
 from bench.peers import find_peers
-from bench.procs import ProcessGroup, pinned, split_cpus
+from bench.procs import ProcessGroup, group_cpu_seconds, pinned, split_cpus
 from bench.report import routing_markdown, routing_plot
 from bench.routers import (
     ROUTERS,
@@ -134,10 +134,16 @@ def run_router(cfg: BenchConfig, profile: str, name: str, run_dir: Path) -> dict
         load_before = os.getloadavg()[0]
         before = scrape(fleet.engines)
         load = replace(cfg.load, url=router.url, model=fleet.model)
+        router_group = router.child.popen.pid  # its own session: the pid is the group id
+        cpu0, replay0 = group_cpu_seconds(router_group), time.monotonic()
         with pinned(cfg.fleet_cpus):  # the load generator runs in this process
             records = asyncio.run(
                 run_trace(cfg.trace, load, progress_printer(len(cfg.trace), every=100))
             )
+        # How busy the router was during the replay: a busy event loop delays every request.
+        router_cpu = group_cpu_seconds(router_group) - cpu0
+        row["router_cpu_s"] = round(router_cpu, 2)
+        row["router_busy"] = round(router_cpu / max(time.monotonic() - replay0, 1e-9), 3)
         after = scrape(fleet.engines)
         # The machine is shared: keep how busy it was, since TTFT includes CPU contention.
         row["loadavg_1m"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]

@@ -68,17 +68,25 @@ def cpu_seconds(pid: int) -> float:
 def group_cpu_seconds(pgid: int) -> float:
     """CPU time used so far by the live processes of one process group (a router and any
     workers it forked)."""
-    total = 0.0
+    return sum(cpu for _, cpu in group_cpu_by_command(pgid).values())
+
+
+def group_cpu_by_command(pgid: int) -> dict[int, tuple[str, float]]:
+    """Per live process of one process group: its command line and CPU time so far."""
+    found: dict[int, tuple[str, float]] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
             fields = _stat_fields(entry)
+            if int(fields[2]) != pgid:
+                continue
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
         except OSError:
             continue  # exited meanwhile
-        if int(fields[2]) == pgid:
-            total += _fields_cpu_seconds(fields)
-    return total
+        found[int(entry)] = (cmdline, _fields_cpu_seconds(fields))
+    return found
 
 
 @dataclass

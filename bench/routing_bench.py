@@ -32,11 +32,18 @@ from typing import Any
 from bench.fleet import Fleet, FleetError, delta, scrape, start_fleet, vllm_python
 from bench.loadgen import LoadConfig, progress_printer, run_trace
 from bench.peers import find_peers
-from bench.procs import ProcessGroup, group_cpu_seconds, pinned, split_cpus
+from bench.procs import (
+    ProcessGroup,
+    group_cpu_by_command,
+    group_cpu_seconds,
+    pinned,
+    split_cpus,
+)
 from bench.report import routing_markdown, routing_plot
 from bench.routers import (
     ROUTERS,
     RouterUnavailable,
+    RunningRouter,
     kvroute_available,
     kvroute_decision_reasons,
     kvroute_predictions,
@@ -116,6 +123,18 @@ def _start_fleet_retrying(
     raise AssertionError("unreachable")
 
 
+def _cpu_by_role(router: RunningRouter, fleet: Fleet) -> dict[str, float]:
+    """CPU seconds so far of the router, the engines and the bridges (each child has its own
+    session, so its pid is its process group's id)."""
+    roles = {"router": group_cpu_seconds(router.child.popen.pid), "engines": 0.0, "bridges": 0.0}
+    for cmdline, cpu in group_cpu_by_command(fleet.child.popen.pid).values():
+        if " bridge " in f" {cmdline} ":
+            roles["bridges"] += cpu
+        elif " sim " in f" {cmdline} ":
+            roles["engines"] += cpu  # the fleet's supervisor too (idle)
+    return roles
+
+
 def run_router(cfg: BenchConfig, profile: str, name: str, run_dir: Path) -> dict[str, Any]:
     """One router on a fresh fleet: the result row (status ok / unavailable / failed)."""
     spec = ROUTERS[name]
@@ -134,16 +153,16 @@ def run_router(cfg: BenchConfig, profile: str, name: str, run_dir: Path) -> dict
         load_before = os.getloadavg()[0]
         before = scrape(fleet.engines)
         load = replace(cfg.load, url=router.url, model=fleet.model)
-        router_group = router.child.popen.pid  # its own session: the pid is the group id
-        cpu0, replay0 = group_cpu_seconds(router_group), time.monotonic()
+        cpu0, replay0 = _cpu_by_role(router, fleet), time.monotonic()
         with pinned(cfg.fleet_cpus):  # the load generator runs in this process
             records = asyncio.run(
                 run_trace(cfg.trace, load, progress_printer(len(cfg.trace), every=100))
             )
-        # How busy the router was during the replay: a busy event loop delays every request.
-        router_cpu = group_cpu_seconds(router_group) - cpu0
-        row["router_cpu_s"] = round(router_cpu, 2)
-        row["router_busy"] = round(router_cpu / max(time.monotonic() - replay0, 1e-9), 3)
+        # CPU time over the replay: a busy router loop delays every request, and the engines'
+        # steps run late when their CPU is shared with much else (bridges, metric scrapes).
+        cpu1, replay_s = _cpu_by_role(router, fleet), time.monotonic() - replay0
+        row["cpu_s"] = {role: round(cpu1[role] - cpu0.get(role, 0.0), 2) for role in cpu1}
+        row["router_busy"] = round(row["cpu_s"]["router"] / max(replay_s, 1e-9), 3)
         after = scrape(fleet.engines)
         # The machine is shared: keep how busy it was, since TTFT includes CPU contention.
         row["loadavg_1m"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]

@@ -57,10 +57,10 @@ def test_serve_with_two_processes(tmp_path: Path) -> None:
     import urllib.request
 
     from bench.instant_engine import running_engine
-    from bench.router_overhead_bench import _free_port
+    from bench.procs import free_port
 
     with running_engine() as engine:
-        port = _free_port()
+        port = free_port()
         cfg = tmp_path / "r.yaml"
         cfg.write_text(
             yaml.safe_dump(

@@ -34,9 +34,10 @@ class StepClock:
         "_last_end",
         "_max_gap",
         "_merge",
+        "_period",
+        "_period_stale",
         "_stale_periods",
         "_uncertainty",
-        "period",
     )
 
     def __init__(
@@ -55,7 +56,18 @@ class StepClock:
         self._stale_periods = stale_periods
         self._gaps: deque[float] = deque(maxlen=window)
         self._last_end: float | None = None
-        self.period: float | None = None  # median step period in seconds, once learned
+        # The median is taken when the period is read (a decision), not at every relayed
+        # chunk: chunks come far more often than decisions.
+        self._period: float | None = None
+        self._period_stale = False
+
+    @property
+    def period(self) -> float | None:
+        """The median step period in seconds, once learned."""
+        if self._period_stale:
+            self._period = median(self._gaps)
+            self._period_stale = False
+        return self._period
 
     @property
     def last_end(self) -> float | None:
@@ -75,7 +87,7 @@ class StepClock:
         if gap > self._max_gap:
             return  # the engine was idle in between: not a step
         self._gaps.append(gap)
-        self.period = median(self._gaps)
+        self._period_stale = True
 
     def expected_wait(self, now: float, busy: bool) -> float:
         """Seconds until the step in flight ends, for a request arriving at `now`.

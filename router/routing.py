@@ -36,7 +36,7 @@ class PendingLike(Protocol):
 
 class TokenizedLike(Protocol):
     @property
-    def token_ids(self) -> list[int]: ...
+    def token_ids(self) -> Sequence[int]: ...
     @property
     def source(self) -> str: ...
     @property
@@ -61,7 +61,7 @@ class TokenizerLike(Protocol):
 class Prompt:
     """A request's prompt as the router knows it."""
 
-    token_ids: list[int] | None
+    token_ids: Sequence[int] | None  # a partial prompt's may be the tokenizer cache's array
     source: str  # local | render | request | none
     n_tokens: int  # exact when token_ids is set, else estimated from the body size
     lora_name: str

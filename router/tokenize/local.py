@@ -250,7 +250,7 @@ class LocalTokenizer:
         self, text: str, encode: PieceEncoder, lookup: Lookup, shared_end: int | None = None
     ) -> tuple[list[int], EncodeStats]:
         digests, hit = lookup.digests, lookup.hit
-        start, prefix = (hit.anchor, hit.ids) if hit is not None else (0, [])
+        start, prefix = (hit.anchor, hit.ids.tolist()) if hit is not None else (0, [])
         guard = self.encoder.guard_chars
         cut = self.encoder.cache_anchor(text, start)
         # A text nothing cached starts: also remember it through its first message, so other

@@ -42,7 +42,9 @@ class _Entry:
 @dataclass(frozen=True, slots=True)
 class CacheHit:
     anchor: int  # text[:anchor] is known
-    ids: list[int]  # its ids
+    # its ids, as stored: a routing decision hashes them as they are (`content_keys` takes
+    # an array("I") without a copy), so a long conversation is not turned into a list first
+    ids: array[int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,7 +111,7 @@ class PrefixCache:
                         best = entry
                 if best is not None:
                     self._lru.move_to_end((best.key, best.tail))
-                    return CacheHit(anchor=best.anchor, ids=best.ids.tolist())
+                    return CacheHit(anchor=best.anchor, ids=best.ids)
         return None
 
     def insert(

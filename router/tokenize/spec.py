@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -64,6 +64,6 @@ class TokenizedPrompt:
     With `pending` set, `token_ids` are only the exact ids of the prompt's start (a
     conversation's history, from the prefix cache); `Tokenizers.finish` gives the whole."""
 
-    token_ids: list[int]
+    token_ids: Sequence[int]  # a list, or the prefix cache's array("I") for a partial one
     source: str  # "local" | "render" | "request"
     pending: PendingText | None = None

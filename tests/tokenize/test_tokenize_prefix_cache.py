@@ -303,7 +303,7 @@ def test_lookup_returns_the_longest_matching_prefix() -> None:
     _insert(cache, base, 1500, 50)
     _insert(cache, base[:1000] + "Z" * 1000, 1800, 70)  # diverges at 1000
     hit = cache.lookup(base + "more", cache.digests(base + "more"))
-    assert hit is not None and hit.anchor == 1500 and hit.ids == list(range(50))
+    assert hit is not None and hit.anchor == 1500 and list(hit.ids) == list(range(50))
     diverged = base[:1200] + "Q" * 900
     hit = cache.lookup(diverged, cache.digests(diverged))
     assert hit is not None and hit.anchor == 300

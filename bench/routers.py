@@ -53,6 +53,13 @@ ROUTERS: dict[str, RouterSpec] = {
             "ttft",
             (("KVROUTE_POLICY__STEP_WAIT_WEIGHT", "1"),),
         ),
+        RouterSpec(
+            "kvroute-apply-delay",
+            "kvroute (default + 2 ms event apply delay)",
+            "kvroute",
+            "ttft",
+            (("KVROUTE_EVENTS__APPLY_DELAY_S", "0.002"),),
+        ),
         RouterSpec("kvroute-session", "kvroute session affinity", "kvroute", "session"),
         RouterSpec("kvroute-least-load", "kvroute least load", "kvroute", "least_load"),
         RouterSpec("kvroute-round-robin", "kvroute round robin", "kvroute", "round_robin"),

@@ -204,6 +204,11 @@ class EventsConfig:
         "a snapshot is applied this many blocks at a time, serving requests in between "
         "(the old view answers until the new one is complete)",
     )
+    apply_delay_s: float = _f(
+        0.0,
+        "a live event batch waits this long before it is applied, so the streamed tokens "
+        "of the same engine step (which arrive with it) are relayed first (0 = at once)",
+    )
 
 
 @dataclass(frozen=True, slots=True)

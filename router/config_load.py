@@ -315,6 +315,7 @@ def validate(c: RouterConfig) -> list[str]:
     need(e.max_entries_per_worker >= 1, "events.max_entries_per_worker: expected >= 1")
     need(e.max_pending_per_worker >= 0, "events.max_pending_per_worker: expected >= 0")
     need(e.snapshot_step_blocks >= 1, "events.snapshot_step_blocks: expected >= 1")
+    need(e.apply_delay_s >= 0, "events.apply_delay_s: expected >= 0")
 
     v = c.verify
     need(v.window >= 1, "verify.window: expected >= 1")

@@ -267,6 +267,9 @@ class EventSubscriptions:
         status.state = CONNECTING
         got = False
         stream = transport.open(request)
+        delay = self._cfg.apply_delay_s
+        applied_at = -1e9  # loop time when the last batch was applied
+        loop = asyncio.get_running_loop()
         try:
             async for message in stream:
                 got = True
@@ -274,6 +277,12 @@ class EventSubscriptions:
                     if resumed:  # the view we kept is current again
                         self._go_live(name, status)
                     continue
+                # An engine publishes a step's events as it sends that step's tokens, so a
+                # batch reaches the router with first tokens of streams it relays; those go
+                # out first. Only a live batch waits: one that follows the last apply within
+                # the delay is part of a backlog and is applied at once.
+                if delay > 0 and loop.time() - applied_at >= delay and message.HasField("batch"):
+                    await asyncio.sleep(delay)
                 try:
                     await self._handle(name, status, message)
                 except Exception as exc:  # a bad message must not kill the subscription
@@ -286,6 +295,7 @@ class EventSubscriptions:
                     status.last_error = f"apply failed: {exc}"
                     return got
                 point.observe(message)
+                applied_at = loop.time()
             status.last_error = "stream ended"
         except grpc.aio.AioRpcError as exc:
             status.last_error = f"{exc.code().name}: {exc.details()}"

@@ -302,3 +302,47 @@ def test_a_resume_with_nothing_missed_is_live_at_once() -> None:
             await bridge.stop()
 
     run(go)
+
+
+def test_a_live_batch_waits_the_apply_delay_and_a_backlog_does_not() -> None:
+    """`apply_delay_s` lets a step's streamed tokens go out before its events are applied;
+    batches that queue up meanwhile follow at once, not one delay each."""
+
+    async def go() -> None:
+        bridge = FakeBridge()
+        await bridge.start()
+        index = ScriptedIndex()
+        delay = 0.3
+        events = EventSubscriptions(
+            index, EventsConfig(reconnect_initial_s=0.05, apply_delay_s=delay), RouterMetrics()
+        )
+        registry = WorkerRegistry(BreakerConfig())
+        registry.listen(events)
+        registry.add(
+            WorkerSpec(name="w0", url="http://127.0.0.1:1", bridge=f"127.0.0.1:{bridge.port}")
+        )
+        await events.start()
+        loop = asyncio.get_running_loop()
+        try:
+            await until(lambda: events.status("w0") is not None and index.snapshots != [])
+            await asyncio.sleep(delay * 1.5)  # what follows the snapshot at once is a backlog
+            t0 = loop.time()
+            bridge.stream.apply(batch(1, 0))
+            await asyncio.sleep(delay / 3)
+            assert index.batches == []  # held back
+            await until(lambda: index.batches == [("w0", 1)])
+            assert loop.time() - t0 >= delay * 0.9
+
+            await asyncio.sleep(delay * 2)  # quiet: the next batch is live again
+            t0 = loop.time()
+            for seq in (2, 3, 4, 5):
+                bridge.stream.apply(batch(seq, 16 * seq))
+            await until(lambda: len(index.batches) == 5)
+            took = loop.time() - t0
+            assert [s for _, s in index.batches] == [1, 2, 3, 4, 5]
+            assert delay * 0.9 <= took < delay * 2.5  # one wait, not four
+        finally:
+            await events.stop()
+            await bridge.stop()
+
+    run(go)

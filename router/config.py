@@ -205,7 +205,7 @@ class EventsConfig:
         "(the old view answers until the new one is complete)",
     )
     apply_delay_s: float = _f(
-        0.0,
+        0.002,
         "a live event batch waits this long before it is applied, so the streamed tokens "
         "of the same engine step (which arrive with it) are relayed first (0 = at once)",
     )

@@ -79,7 +79,9 @@ def test_snapshot_batches_loss_resume_and_resync() -> None:
         assert "w0" in events.unusable()  # nothing known yet
         await events.start()
         try:
+            # the index records a snapshot when its apply starts; live comes when it ends
             await until(lambda: index.snapshots == [("w0", "initial")])
+            await until(lambda: events.status("w0").state == LIVE)  # type: ignore[union-attr]
             status = events.status("w0")
             assert status is not None and status.state == LIVE and "w0" not in events.unusable()
             bridge.stream.apply(batch(2, 16))
@@ -101,7 +103,7 @@ def test_snapshot_batches_loss_resume_and_resync() -> None:
             # drift detected elsewhere: discard and start from a snapshot
             assert events.resync("w0")
             assert index.invalidated == ["w0"]
-            await until(lambda: len(index.snapshots) == 2)
+            await until(lambda: len(index.snapshots) == 2 and status.state == LIVE)
             assert index.snapshots[-1] == ("w0", "initial") and status.state == LIVE
             assert not events.resync("nope")
 

@@ -145,7 +145,8 @@ class MetricsProbe:
         self._clock = clock
 
     async def __call__(self, worker: Worker) -> None:
-        own_running, own_prefilling = worker.load.running, worker.load.prefilling
+        load = worker.load
+        running_before, prefilling_before = load.running, load.prefilling
         try:
             status, body = await self._upstream.probe(worker.url + "/metrics")
         except UpstreamError:
@@ -156,6 +157,14 @@ class MetricsProbe:
         if parsed is None:
             return
         running, waiting, usage = parsed
+        # A request sent while the scrape was on its way may already be in the engine's
+        # count; taking the larger own count (before or after) keeps it from being read as
+        # another router's load. Erring this way only under-counts for one scrape period.
         worker.load.engine = EngineMetrics(
-            running, waiting, usage, self._clock(), own_running, own_prefilling
+            running,
+            waiting,
+            usage,
+            self._clock(),
+            max(running_before, load.running),
+            max(prefilling_before, load.prefilling),
         )

@@ -72,14 +72,16 @@ class Outcome:
         self.sent += 1
         if r.intact(expected):
             self.intact += 1
-        elif (r.status not in (0, 200)) or (r.status == 200 and r.done and r.error):
-            self.reported += 1
         else:
-            self.lost += 1
+            if (r.status not in (0, 200)) or (r.status == 200 and r.done and r.error):
+                self.reported += 1
+            else:
+                self.lost += 1
+            # what went wrong, for the assertion message (reported errors too: their cause)
             if len(self.examples) < 5:
                 self.examples.append(
                     f"status={r.status} done={r.done} error={r.error} "
-                    f"text_ok={r.text == expected} events={r.events}"
+                    f"text_ok={r.text == expected} events={r.events} body={r.body[:200]!r}"
                 )
 
 

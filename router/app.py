@@ -236,6 +236,15 @@ def create_app(
             lambda: prefill_rate.value,
         )
     )
+    metrics.registry.register(
+        ScalarGauge(
+            "kvroute_event_loop_stalled_seconds",
+            "Time this process's event loop could not run (late by 5 ms or more); connect and "
+            "probe timeouts do not count it against workers",
+            lambda: upstream.stalls.total_s,
+            counter=True,
+        )
+    )
 
     def apply_alignment(worker: Worker) -> None:
         for name in worker.serves():

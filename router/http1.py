@@ -10,8 +10,9 @@ bench/http_client_bench.py), which is most of what a proxy adds under load.
   closes an idle one of another host. Idle connections older than `keepalive_s`, or that the
   server closed, are not reused.
 - Failures: `UpstreamConnectError` (could not connect, or the connection broke or sent a
-  malformed answer) and `UpstreamTimeout` (connect took longer than `connect_s`, or the
-  server sent nothing for `read_idle_s` while an answer was awaited).
+  malformed answer) and `UpstreamTimeout` (connect took longer than `connect_s`, not counting
+  stalls of this process's own event loop when `stalls` is given, or the server sent nothing
+  for `read_idle_s` while an answer was awaited).
 - Streaming with backpressure: a response buffers at most `_HIGH_WATER` bytes, then the
   socket stops being read until the caller takes them.
 """
@@ -24,6 +25,8 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 import httptools
+
+from router.loop_stall import LoopStalls, wait_own_time
 
 
 class UpstreamError(Exception):
@@ -348,6 +351,7 @@ class Http1Pool:
         connect_s: float,
         read_idle_s: float,
         keepalive_s: float = 60.0,
+        stalls: LoopStalls | None = None,
     ) -> None:
         if limit < 1:
             raise ValueError("limit must be >= 1")
@@ -356,6 +360,7 @@ class Http1Pool:
         self._connect_s = connect_s
         self._read_idle_s = read_idle_s
         self._keepalive_s = keepalive_s
+        self._stalls = stalls  # the connect timeout does not count this loop's own stalls
         self._idle: dict[tuple[str, int], list[_Connection]] = {}
         self._open = 0  # connections counted against the limit (connecting, busy or idle)
         self._waiters: list[asyncio.Future[None]] = []
@@ -418,10 +423,12 @@ class Http1Pool:
         self._open += 1
         conn: _Connection | None = None
         try:
-            async with asyncio.timeout(self._connect_s):
-                _, conn = await self.loop.create_connection(
-                    lambda: _Connection(self, key), key[0], key[1]
-                )
+            _, made = await wait_own_time(
+                self.loop.create_connection(lambda: _Connection(self, key), key[0], key[1]),
+                self._connect_s,
+                self._stalls,
+            )
+            conn = made
         except TimeoutError:
             self._release_slot()
             raise UpstreamTimeout(f"connect to {key[0]}:{key[1]} timed out") from None
@@ -434,7 +441,7 @@ class Http1Pool:
             else:
                 conn.close()
             raise
-        return conn
+        return made
 
     def _close_one_idle(self) -> bool:
         """Close the oldest idle connection (of any host) to make room; False if none."""

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from router.breaker import STATE_CODES
@@ -181,15 +181,18 @@ class RouterMetrics:
 
 
 class ScalarGauge(Collector):
-    """One unlabelled gauge whose value is read at scrape time."""
+    """One unlabelled gauge (or, with `counter`, a counter) whose value is read at scrape time."""
 
-    def __init__(self, name: str, doc: str, value: Callable[[], float]) -> None:
+    def __init__(
+        self, name: str, doc: str, value: Callable[[], float], *, counter: bool = False
+    ) -> None:
         self._name = name
         self._doc = doc
         self._value = value
+        self._family = CounterMetricFamily if counter else GaugeMetricFamily
 
     def collect(self) -> Iterator[Metric]:
-        yield GaugeMetricFamily(self._name, self._doc, value=self._value())
+        yield self._family(self._name, self._doc, value=self._value())
 
 
 class WorkerStateCollector(Collector):

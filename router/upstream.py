@@ -6,6 +6,8 @@ bench/http_client_bench.py). Probes, metrics scrapes and render calls, which are
 want total timeouts, use an aiohttp session. Failures are mapped to two exceptions the proxy
 understands: `UpstreamConnectError` (nothing was sent or the connection broke before a
 response) and `UpstreamTimeout` (the engine went silent for longer than `read_idle_s`).
+Connect and total timeouts do not count stalls of the router's own event loop
+(router/loop_stall.py): a worker is not charged for the router's slowness.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from router.http1 import (
     UpstreamResponse,
     UpstreamTimeout,
 )
+from router.loop_stall import LoopStalls, wait_own_time
 
 __all__ = [
     "Upstream",
@@ -47,14 +50,16 @@ class Upstream:
         self._timeout = aiohttp.ClientTimeout(
             total=None, sock_connect=timeouts.connect_s, sock_read=timeouts.read_idle_s
         )
-        self._probe_timeout = aiohttp.ClientTimeout(total=timeouts.health_s)
+        self.stalls = LoopStalls()  # the router's own stalls, kept out of worker timeouts
 
     async def start(self) -> None:
+        self.stalls.start()
         self._pool = Http1Pool(
             limit=self._limits.upstream_connections,
             connect_s=self._timeouts.connect_s,
             read_idle_s=self._timeouts.read_idle_s,
             keepalive_s=_ENGINE_IDLE_S,
+            stalls=self.stalls,
         )
         connector = aiohttp.TCPConnector(
             limit=self._limits.upstream_connections,
@@ -70,6 +75,7 @@ class Upstream:
         )
 
     async def close(self) -> None:
+        await self.stalls.stop()
         if self._pool is not None:
             await self._pool.close()
             self._pool = None
@@ -98,20 +104,24 @@ class Upstream:
     async def probe(self, url: str) -> tuple[int, bytes]:
         """GET with the probe timeout; returns (status, body). Raises UpstreamError."""
         try:
-            async with self.session.get(url, timeout=self._probe_timeout) as resp:
-                return resp.status, await resp.read()
+            return await wait_own_time(self._get(url), self._timeouts.health_s, self.stalls)
         except TimeoutError as exc:
             raise UpstreamTimeout(f"probe {url} timed out") from exc
         except aiohttp.ClientError as exc:
             raise UpstreamConnectError(f"probe {url}: {type(exc).__name__}: {exc}") from exc
 
+    async def _get(self, url: str) -> tuple[int, bytes]:
+        async with self.session.get(url) as resp:
+            return resp.status, await resp.read()
+
+    async def _post(self, url: str, payload: Any) -> tuple[int, bytes]:
+        async with self.session.post(url, json=payload) as resp:
+            return resp.status, await resp.read()
+
     async def post_json(self, url: str, payload: Any, timeout_s: float) -> tuple[int, bytes]:
         """POST a JSON body with its own timeout; returns (status, body)."""
         try:
-            async with self.session.post(
-                url, json=payload, timeout=aiohttp.ClientTimeout(total=timeout_s)
-            ) as resp:
-                return resp.status, await resp.read()
+            return await wait_own_time(self._post(url, payload), timeout_s, self.stalls)
         except TimeoutError as exc:
             raise UpstreamTimeout(f"{url} timed out") from exc
         except aiohttp.ClientError as exc:

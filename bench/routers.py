@@ -60,6 +60,13 @@ ROUTERS: dict[str, RouterSpec] = {
             "ttft",
             (("KVROUTE_EVENTS__APPLY_DELAY_S", "0"),),
         ),
+        RouterSpec(
+            "kvroute-no-metrics",
+            "kvroute (default, engines' /metrics not read)",
+            "kvroute",
+            "ttft",
+            (("KVROUTE_LOAD__METRICS_INTERVAL_S", "0"),),
+        ),
         RouterSpec("kvroute-session", "kvroute session affinity", "kvroute", "session"),
         RouterSpec("kvroute-least-load", "kvroute least load", "kvroute", "least_load"),
         RouterSpec("kvroute-round-robin", "kvroute round robin", "kvroute", "round_robin"),

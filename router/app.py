@@ -255,7 +255,13 @@ def create_app(
 
     health = HealthChecker(cfg.health, upstream, metrics)
     models_probe = ModelsProbe(registry, upstream, on_models=apply_alignment)
-    metrics_probe = MetricsProbe(upstream, clock)
+    metrics_probe = MetricsProbe(
+        upstream,
+        clock,
+        base_s=cfg.load.metrics_interval_s,
+        max_s=cfg.load.metrics_max_interval_s,
+        kv_quiet_below=0.9 * cfg.policy.kv_usage_saturation,
+    )
     session = getattr(policy, "session", None)
     housekeeping = _Housekeeping(
         [health, models_probe, metrics_probe],

@@ -187,6 +187,11 @@ class LoadConfig:
     metrics_interval_s: float = _f(
         1.0, "how often each worker's /metrics is read (0 = never; own accounting only)"
     )
+    metrics_max_interval_s: float = _f(
+        16.0,
+        "while a worker's scrapes show no other router's requests and KV usage clear of "
+        "saturation, its scrape period doubles up to this (= metrics_interval_s: fixed period)",
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -308,6 +308,10 @@ def validate(c: RouterConfig) -> list[str]:
     need(h.healthy_after >= 1, "health.healthy_after: expected >= 1")
     need(h.models_interval_s > 0, "health.models_interval_s: expected > 0")
     need(c.load.metrics_interval_s >= 0, "load.metrics_interval_s: expected >= 0")
+    need(
+        c.load.metrics_max_interval_s >= c.load.metrics_interval_s,
+        "load.metrics_max_interval_s: expected >= load.metrics_interval_s",
+    )
 
     e = c.events
     need(e.reconnect_initial_s > 0, "events.reconnect_initial_s: expected > 0")

@@ -138,14 +138,31 @@ class ModelsProbe:
 
 
 class MetricsProbe:
-    """GET /metrics: the engine's running / waiting requests and KV usage for this DP rank."""
+    """GET /metrics: the engine's running / waiting requests and KV usage for this DP rank.
 
-    def __init__(self, upstream: Upstream, clock: Callable[[], float] = time.monotonic) -> None:
+    Each worker is read every `base_s` while its pages show something this process does not
+    know (another router's requests, KV usage at `kv_quiet_below` or more), otherwise less
+    and less often, down to every `max_s` (`ScrapeBackoff`)."""
+
+    def __init__(
+        self,
+        upstream: Upstream,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        base_s: float = 1.0,
+        max_s: float = 1.0,
+        kv_quiet_below: float = 1.0,
+    ) -> None:
         self._upstream = upstream
         self._clock = clock
+        self._base = base_s
+        self._max = max_s
+        self._kv_quiet_below = kv_quiet_below
 
     async def __call__(self, worker: Worker) -> None:
         load = worker.load
+        if not load.scrape.due(self._clock()):
+            return
         running_before, prefilling_before = load.running, load.prefilling
         try:
             status, body = await self._upstream.probe(worker.url + "/metrics")
@@ -157,14 +174,19 @@ class MetricsProbe:
         if parsed is None:
             return
         running, waiting, usage = parsed
+        now = self._clock()
         # A request sent while the scrape was on its way may already be in the engine's
         # count; taking the larger own count (before or after) keeps it from being read as
         # another router's load. Erring this way only under-counts for one scrape period.
-        worker.load.engine = EngineMetrics(
+        load.engine = EngineMetrics(
             running,
             waiting,
             usage,
-            self._clock(),
+            now,
             max(running_before, load.running),
             max(prefilling_before, load.prefilling),
         )
+        quiet = load.others(now, float("inf")) == (0, 0) and (
+            usage is None or usage < self._kv_quiet_below
+        )
+        load.scrape.scraped(now, quiet, self._base, self._max)

@@ -33,6 +33,29 @@ class EngineMetrics:
 
 
 @dataclass(slots=True)
+class ScrapeBackoff:
+    """When a worker's /metrics is next read. A scrape costs the engine's frontend CPU (a
+    Python Prometheus page of several kB), so while scrapes keep showing nothing this process
+    does not already know (no other router's requests, KV usage clear of saturation), the
+    period doubles up to a cap; the first scrape that shows something resets it."""
+
+    interval: float = 0.0  # 0: not scraped yet
+    due_at: float = 0.0
+
+    def due(self, now: float) -> bool:
+        return now >= self.due_at
+
+    def scraped(self, now: float, quiet: bool, base_s: float, max_s: float) -> None:
+        """Schedule the next scrape after one that was `quiet` (or not)."""
+        if quiet and self.interval > 0:
+            self.interval = min(self.interval * 2, max_s)
+        else:
+            self.interval = base_s
+        # a hair early, so the periodic job running every base_s finds it due
+        self.due_at = now + self.interval - base_s / 4
+
+
+@dataclass(slots=True)
 class WorkerLoad:
     """Live load of one worker as seen by this process."""
 
@@ -42,6 +65,7 @@ class WorkerLoad:
     engine: EngineMetrics | None = None
     started_total: int = 0
     steps: StepClock = field(default_factory=StepClock)  # learned from relayed stream chunks
+    scrape: ScrapeBackoff = field(default_factory=ScrapeBackoff)
 
     def others(self, now: float, stale_after: float) -> tuple[int, int]:
         """(running, waiting) requests the engine had that this process did not send."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 
 from bridge.app import Bridge, BridgeConfig
@@ -12,6 +13,12 @@ from bridge.discovery import ranked_endpoints
 from bridge.follower import DEFAULT_REPLAY_TIMEOUT
 from bridge.state import DEFAULT_MAX_BLOCKS, DEFAULT_MAX_LINEAGE_BLOCKS
 from bridge.stream import DEFAULT_QUEUE_SIZE, DEFAULT_RING_BATCHES, StreamLimits
+
+# An engine publishes a step's events as it streams that step's tokens, so a bridge beside it
+# is busy exactly when the engine's frontend is; its own work can wait a few milliseconds.
+DEFAULT_NICE = 10
+
+log = logging.getLogger("kvroute.bridge")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,6 +71,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="recent batches kept so that reconnecting subscribers can resume",
     )
     parser.add_argument("--replay-timeout", type=float, default=DEFAULT_REPLAY_TIMEOUT)
+    parser.add_argument(
+        "--nice",
+        type=int,
+        default=DEFAULT_NICE,
+        help="raise the bridge's CPU niceness by this much (0-19): on a host it shares with "
+        "the engine, the engine's request and token work goes first",
+    )
     parser.add_argument("--log-level", default="INFO")
     return parser
 
@@ -72,6 +86,8 @@ def config_from_args(args: argparse.Namespace) -> BridgeConfig:
     """The bridge configuration the options describe; ValueError for inconsistent ones."""
     if args.dp_ranks < 1:
         raise ValueError("--dp-ranks must be at least 1")
+    if not 0 <= args.nice <= 19:
+        raise ValueError("--nice must be between 0 and 19")
     engines = (
         tuple(ranked_endpoints(args.engine, args.replay, args.topic, args.dp_ranks))
         if args.engine
@@ -119,5 +135,10 @@ def main(argv: list[str]) -> int:
     except ValueError as exc:
         print(f"kvroute bridge: {exc}")
         return 2
+    if args.nice:
+        try:
+            os.nice(args.nice)
+        except OSError as exc:  # e.g. a sandbox without setpriority: run at the old priority
+            log.warning("cannot lower the bridge's CPU priority: %s", exc)
     asyncio.run(serve(config))
     return 0

@@ -118,6 +118,7 @@ class Fleet:
     engine_args: list[str]
     bridges: bool = True
     startup_timeout: float = 60.0
+    bridge_nice: int | None = None  # None: the bridge's default
     members: list[Member] = field(default_factory=list)
 
     def start(self) -> list[Member]:
@@ -161,6 +162,8 @@ class Fleet:
                     "--log-level", "WARNING"]  # fmt: skip
             if m.replay:
                 argv += ["--replay", m.replay]
+            if self.bridge_nice is not None:
+                argv += ["--nice", str(self.bridge_nice)]
             m.bridge = _spawn(argv)
         for m in self.members:
             if m.bridge is None:
@@ -239,6 +242,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="no bridges: the router config subscribes to the engines' ZMQ directly",
     )
+    p.add_argument(
+        "--bridge-nice",
+        type=int,
+        help="the bridges' CPU niceness increment (default: the bridge's own default)",
+    )
     p.add_argument("--startup-timeout", type=float, default=60.0)
     add_engine_args(p)
     return p
@@ -270,7 +278,7 @@ def main(argv: list[str]) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    fleet = Fleet(args.workers, engine_argv(args), bridges, args.startup_timeout)
+    fleet = Fleet(args.workers, engine_argv(args), bridges, args.startup_timeout, args.bridge_nice)
     try:
         members = fleet.start()
     except RuntimeError as exc:

@@ -19,6 +19,7 @@ from aiohttp import web
 from bridge_testkit import FakeEngine, Recorder, be, eventually, store
 
 from bridge.app import Bridge, BridgeConfig
+from bridge.cli import DEFAULT_NICE
 from bridge.discovery import offset_port, parse_sources, ranked_endpoints, substitute_host
 from bridge.metrics import BridgeMetrics
 from bridge.state import EngineState
@@ -165,6 +166,9 @@ def test_cli_runs_and_stops_on_sigterm() -> None:
         assert ready, "the bridge did not start within 30 s"
         line = proc.stdout.readline()
         assert "gRPC on port" in line, line
+        # it runs below the engine's CPU priority (its default niceness increment)
+        expected_nice = min(19, os.getpriority(os.PRIO_PROCESS, 0) + DEFAULT_NICE)
+        assert os.getpriority(os.PRIO_PROCESS, proc.pid) == expected_nice
         http_port = int(line.rsplit("HTTP on port ", 1)[1])
         deadline = time.monotonic() + 10
         while True:
@@ -186,5 +190,7 @@ def test_cli_rejects_bad_arguments() -> None:
     from bridge.cli import main
 
     assert main(["--engine", "tcp://127.0.0.1:1", "--dp-ranks", "0"]) == 2
+    assert main(["--engine", "tcp://127.0.0.1:1", "--nice", "20"]) == 2
+    assert main(["--engine", "tcp://127.0.0.1:1", "--nice", "-1"]) == 2  # needs privileges
     with pytest.raises(SystemExit):
         main(["--listen", "127.0.0.1:0"])  # no engine and no discovery

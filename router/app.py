@@ -29,7 +29,7 @@ from router.config import RouterConfig, TokenizerConfig
 from router.decisions import DecisionLog
 from router.discovery import parse_discovery_config, start_discovery
 from router.events import EventSubscriptions, TransportFactory, default_transport
-from router.health import HealthChecker, MetricsProbe, ModelsProbe, Periodic
+from router.health import KV_QUIET_FRACTION, HealthChecker, MetricsProbe, ModelsProbe, Periodic
 from router.index_view import IndexView
 from router.load import PrefillRateEstimate, PromptSizeEstimate
 from router.metrics import RouterMetrics, ScalarGauge
@@ -239,8 +239,8 @@ def create_app(
     metrics.registry.register(
         ScalarGauge(
             "kvroute_event_loop_stalled_seconds",
-            "Time this process's event loop could not run (late by 5 ms or more); connect and "
-            "probe timeouts do not count it against workers",
+            "Time this process's event loop could not run (late by 5 ms or more) while an "
+            "upstream connect or probe was pending; their timeouts do not count it",
             lambda: upstream.stalls.total_s,
             counter=True,
         )
@@ -260,7 +260,7 @@ def create_app(
         clock,
         base_s=cfg.load.metrics_interval_s,
         max_s=cfg.load.metrics_max_interval_s,
-        kv_quiet_below=0.9 * cfg.policy.kv_usage_saturation,
+        kv_quiet_below=KV_QUIET_FRACTION * cfg.policy.kv_usage_saturation,
     )
     session = getattr(policy, "session", None)
     housekeeping = _Housekeeping(

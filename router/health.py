@@ -137,6 +137,11 @@ class ModelsProbe:
             self._on_models(worker)
 
 
+# A page showing KV usage below this fraction of policy.kv_usage_saturation may be read less
+# often; above it, every metrics_interval_s. A margin chosen, not measured.
+KV_QUIET_FRACTION = 0.9
+
+
 class MetricsProbe:
     """GET /metrics: the engine's running / waiting requests and KV usage for this DP rank.
 

@@ -47,13 +47,9 @@ class Upstream:
         self._limits = limits
         self._session: aiohttp.ClientSession | None = None
         self._pool: Http1Pool | None = None
-        self._timeout = aiohttp.ClientTimeout(
-            total=None, sock_connect=timeouts.connect_s, sock_read=timeouts.read_idle_s
-        )
         self.stalls = LoopStalls()  # the router's own stalls, kept out of worker timeouts
 
     async def start(self) -> None:
-        self.stalls.start()
         self._pool = Http1Pool(
             limit=self._limits.upstream_connections,
             connect_s=self._timeouts.connect_s,
@@ -69,7 +65,9 @@ class Upstream:
         )
         self._session = aiohttp.ClientSession(
             connector=connector,
-            timeout=self._timeout,
+            # no wall-clock limits of its own: every call is bounded by wait_own_time, whose
+            # clock leaves out this loop's stalls (aiohttp's sock_connect would not)
+            timeout=aiohttp.ClientTimeout(total=None),
             auto_decompress=False,
             skip_auto_headers=("User-Agent", "Accept-Encoding"),
         )

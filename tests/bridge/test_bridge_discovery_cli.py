@@ -191,6 +191,6 @@ def test_cli_rejects_bad_arguments() -> None:
 
     assert main(["--engine", "tcp://127.0.0.1:1", "--dp-ranks", "0"]) == 2
     assert main(["--engine", "tcp://127.0.0.1:1", "--nice", "20"]) == 2
-    assert main(["--engine", "tcp://127.0.0.1:1", "--nice", "-1"]) == 2  # needs privileges
+    assert main(["--engine", "tcp://127.0.0.1:1", "--nice", "-1"]) == 2  # raising priority: no
     with pytest.raises(SystemExit):
         main(["--listen", "127.0.0.1:0"])  # no engine and no discovery

@@ -137,6 +137,8 @@ async def send_one(
                     pieces.append(content)
                     n_chunks += 1
                 usage = chunk.get("usage")
+                if rec.worker is None and chunk.get("system_fingerprint"):
+                    rec.worker = str(chunk["system_fingerprint"])  # a named simulated engine
                 if usage:
                     rec.prompt_tokens = usage.get("prompt_tokens")
                     rec.output_tokens = int(usage.get("completion_tokens") or 0)

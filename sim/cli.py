@@ -140,6 +140,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=0, help="HTTP port (0 = any free port)")
     p.add_argument("--events-endpoint", default="tcp://127.0.0.1:0", help="ZMQ PUB bind address")
     p.add_argument("--replay-endpoint", default="tcp://127.0.0.1:0", help="ZMQ ROUTER bind")
+    p.add_argument(
+        "--name",
+        help="engine name, answered as `system_fingerprint` (lets a benchmark see which engine "
+        "served a request behind any router); default none, as vLLM",
+    )
     return p
 
 
@@ -161,6 +166,7 @@ async def _serve(args: argparse.Namespace) -> int:
         port=args.port,
         log_level=args.log_level,
         cache_factory=cache_factory(args.cache_backend),
+        name=args.name,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

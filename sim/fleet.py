@@ -126,7 +126,9 @@ class Fleet:
         if one does not come up in time."""
         cmd = [sys.executable, "-m", "kvroute", "sim"]
         try:
-            procs = [_spawn([*cmd, *self.engine_args]) for _ in range(self.workers)]
+            procs = [
+                _spawn([*cmd, *self.engine_args, "--name", f"sim-{i}"]) for i in range(self.workers)
+            ]
             deadline = time.monotonic() + self.startup_timeout
             for i, proc in enumerate(procs):
                 try:

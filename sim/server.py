@@ -85,16 +85,18 @@ async def start_engine(
     log_level: str = "warning",
     fail_seed: int = 0,
     cache_factory: Callable[[CacheSpec], CacheBackend] = SimCache,
+    name: str | None = None,
 ) -> RunningEngine:
     """Start an engine + its HTTP server (+ event publisher) in the running loop.
 
     `cache_factory` picks the cache backend (kvroute's SimCache, or vLLM's real manager via
-    `sim.vllm_backend` inside the vLLM environment)."""
+    `sim.vllm_backend` inside the vLLM environment); `name`, if given, is answered as each
+    response's `system_fingerprint`."""
     publisher = EventPublisher(publisher_config) if publisher_config is not None else None
     if publisher is not None:
         publisher.start()
     engine = Engine(config, publisher=publisher, cache_factory=cache_factory)
-    app = build_app(engine, publisher, fail_seed=fail_seed)
+    app = build_app(engine, publisher, fail_seed=fail_seed, name=name)
     sock = bind_socket(host, port)
     server = uvicorn.Server(
         uvicorn.Config(

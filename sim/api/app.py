@@ -60,11 +60,12 @@ def build_app(
     *,
     served_root: str | None = None,
     fail_seed: int = 0,
+    name: str | None = None,
 ) -> Starlette:
     """The app for one engine. The engine loop starts and stops with the app's lifespan."""
     cfg = engine.config
     failures = FailurePlan(seed=fail_seed)
-    gen = Generation(engine, failures)
+    gen = Generation(engine, failures, name)
     created = int(time.time())
 
     def gated(handler: Handler) -> Handler:

@@ -66,9 +66,10 @@ def _sse(obj: Any) -> str:
 class Generation:
     """Runs parsed requests on the engine and shapes the answers."""
 
-    def __init__(self, engine: Engine, failures: FailurePlan) -> None:
+    def __init__(self, engine: Engine, failures: FailurePlan, name: str | None = None) -> None:
         self.engine = engine
         self.failures = failures
+        self.name = name  # the system_fingerprint (None, as vLLM, unless the engine is named)
 
     def _submit(self, req: ParsedRequest, index: int, rid: str) -> RequestHandle:
         """Submit prompt `index` of a request; 400 if it does not fit, 503 if the engine's
@@ -167,7 +168,7 @@ class Generation:
             "model": req.model,
             "choices": choices,
             "service_tier": None,
-            "system_fingerprint": None,
+            "system_fingerprint": self.name,
             "usage": _usage(
                 prompt_tokens,
                 sum(len(r.token_ids) for r in results),
@@ -213,7 +214,7 @@ class Generation:
                 }
             ],
             "service_tier": None,
-            "system_fingerprint": None,
+            "system_fingerprint": self.name,
             "usage": _usage(r.prompt_len, len(r.token_ids), r.cached_tokens),
             "prompt_logprobs": None,
             "prompt_token_ids": req.prompts[0] if req.return_token_ids else None,
@@ -294,7 +295,10 @@ class Generation:
                     prompt = sum(len(p) for p in req.prompts)
                     cached = sum(h.cached_tokens for h in handles)
                     usage = _compact(_usage(prompt, sum(counts), cached))
-                    yield _sse({**head, "choices": [], "usage": usage})
+                    last = {**head, "choices": [], "usage": usage}
+                    if self.name is not None:
+                        last["system_fingerprint"] = self.name
+                    yield _sse(last)
                 yield "data: [DONE]\n\n"
             finally:
                 for h in handles:

@@ -178,6 +178,7 @@ def test_chat_streaming_with_usage(client: httpx.Client) -> None:
     assert last_choice["choices"][0]["finish_reason"] in ("stop", "length")
     assert all(c["choices"][0]["finish_reason"] is None for c in middle)
     assert usage_chunk["choices"] == []
+    assert all("system_fingerprint" not in c for c in chunks)  # an unnamed engine, as vLLM
     usage = usage_chunk["usage"]
     assert usage["completion_tokens"] == len(middle) + 1
     assert "cached_tokens" in usage["prompt_tokens_details"]

@@ -103,6 +103,8 @@ def test_fleet_starts_serves_and_stops_cleanly(tmp_path: Path, sig: signal.Signa
                 timeout=10,
             )
             assert r.status_code == 200
+            # each engine names itself, so a benchmark can attribute requests behind any router
+            assert r.json()["system_fingerprint"] == w["name"]
             assert w["bridge"] and _port_open(w["bridge"])
             assert config["workers"][workers.index(w)]["bridge"] == w["bridge"]
         pids = _children(info)

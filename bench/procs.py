@@ -190,6 +190,18 @@ def pinned(cpus: Sequence[int] | None) -> Iterator[None]:
         os.sched_setaffinity(0, before)
 
 
+def pin_process(pid: int, cpus: Sequence[int]) -> None:
+    """Every thread of process ``pid`` on ``cpus`` (threads started before a
+    ``sched_setaffinity(pid)`` keep their old mask, so each is pinned by its own id)."""
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return  # exited meanwhile
+    for tid in tids:
+        with contextlib.suppress(ProcessLookupError):
+            os.sched_setaffinity(tid, cpus)
+
+
 def split_cpus(router_cpus: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(router's CPUs, everyone else's): the given ones and the rest of this process's.
 

@@ -36,6 +36,7 @@ from bench.procs import (
     ProcessGroup,
     group_cpu_by_command,
     group_cpu_seconds,
+    pin_process,
     pinned,
     split_cpus,
 )
@@ -97,10 +98,18 @@ class BenchConfig:
     # on the rest; None = all share every CPU
     router_cpus: tuple[int, ...] | None = None
     fleet_cpus: tuple[int, ...] | None = None
+    # --bridges: "fleet" = every run's fleet has bridges, beside the engines; "router" = only
+    # runs of a router that reads them (kvroute) have bridges, on the router's CPUs
+    bridges: str = "fleet"
 
 
 def _start_fleet_retrying(
-    pg: ProcessGroup, cfg: BenchConfig, profile: str, run_dir: Path, attempts: int = 2
+    pg: ProcessGroup,
+    cfg: BenchConfig,
+    profile: str,
+    run_dir: Path,
+    fleet_args: Sequence[str],
+    attempts: int = 2,
 ) -> Fleet:
     """Start the fleet; once more if it fails (start-up races on a busy machine)."""
     for attempt in range(attempts):
@@ -110,7 +119,7 @@ def _start_fleet_retrying(
                 workers=cfg.workers,
                 profile=profile,
                 run_dir=run_dir,
-                extra_args=cfg.fleet_args,
+                extra_args=fleet_args,
                 python=cfg.fleet_python,
                 timeout_s=300.0 if cfg.fleet_python else 90.0,
                 cpus=cfg.fleet_cpus,
@@ -135,6 +144,19 @@ def _cpu_by_role(router: RunningRouter, fleet: Fleet) -> dict[str, float]:
     return roles
 
 
+def _bridge_pids(fleet: Fleet) -> list[int]:
+    found = group_cpu_by_command(fleet.child.popen.pid)
+    return [pid for pid, (cmdline, _) in found.items() if " bridge " in f" {cmdline} "]
+
+
+def _fleet_args(cfg: BenchConfig, spec_kind: str) -> tuple[str, ...]:
+    """The fleet's options for one router's run: with ``--bridges router``, no bridges unless
+    the router reads them (the engines publish their events either way)."""
+    if cfg.bridges == "router" and spec_kind != "kvroute" and "--no-bridge" not in cfg.fleet_args:
+        return (*cfg.fleet_args, "--no-bridge")
+    return cfg.fleet_args
+
+
 def run_router(cfg: BenchConfig, profile: str, name: str, run_dir: Path) -> dict[str, Any]:
     """One router on a fresh fleet: the result row (status ok / unavailable / failed)."""
     spec = ROUTERS[name]
@@ -143,7 +165,10 @@ def run_router(cfg: BenchConfig, profile: str, name: str, run_dir: Path) -> dict
     t0 = time.monotonic()
     with ProcessGroup(run_dir / "logs" / name) as pg:
         try:
-            fleet = _start_fleet_retrying(pg, cfg, profile, run_dir)
+            fleet = _start_fleet_retrying(pg, cfg, profile, run_dir, _fleet_args(cfg, spec.kind))
+            if cfg.bridges == "router" and cfg.router_cpus is not None:
+                for pid in _bridge_pids(fleet):
+                    pin_process(pid, cfg.router_cpus)
             router = start_router(pg, spec, fleet, peers, cpus=cfg.router_cpus)
         except RouterUnavailable as exc:
             return {**row, "status": "unavailable", "reason": str(exc)}
@@ -294,10 +319,19 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
             )
         except ValueError as exc:
             raise SystemExit(f"--router-cpus: {exc}") from None
-        notes.append(
-            f"the router runs alone on CPU {','.join(map(str, router_cpus))}; engines, bridges "
-            f"and the load generator on CPU {','.join(map(str, fleet_cpus))}"
-        )
+        rc, fc = ",".join(map(str, router_cpus)), ",".join(map(str, fleet_cpus))
+        if args.bridges == "router":
+            notes.append(
+                f"the router (and kvroute's bridges) run on CPU {rc}; engines and the load "
+                f"generator on CPU {fc}"
+            )
+        else:
+            notes.append(
+                f"the router runs alone on CPU {rc}; engines, bridges and the load generator "
+                f"on CPU {fc}"
+            )
+    if args.bridges == "router":
+        notes.append("bridges run only for kvroute, the one router that reads them")
     return BenchConfig(
         profiles=profiles,
         routers=routers,
@@ -315,6 +349,7 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
         fleet_python=fleet_python,
         router_cpus=router_cpus,
         fleet_cpus=fleet_cpus,
+        bridges=args.bridges,
     )
 
 
@@ -351,6 +386,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=None,
         help="comma list of CPUs for the router alone; engines, bridges and the client get the "
         "others (as in a deployment, where the engines' CPUs are not the router's)",
+    )
+    p.add_argument(
+        "--bridges",
+        choices=("fleet", "router"),
+        default="fleet",
+        help="fleet: every run's fleet has bridges, on the engines' CPUs; router: only kvroute's "
+        "runs have bridges (no other router reads them), on --router-cpus with the router",
     )
     p.add_argument("--out-dir", default=str(RESULTS))
     args = p.parse_args(argv)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -12,7 +13,15 @@ from pathlib import Path
 import pytest
 
 from bench.fleet import EngineCounters, delta, parse_counters
-from bench.procs import ProcessGroup, free_port, group_alive, pinned, split_cpus, wait_http
+from bench.procs import (
+    ProcessGroup,
+    free_port,
+    group_alive,
+    pin_process,
+    pinned,
+    split_cpus,
+    wait_http,
+)
 from bench.report import routing_markdown, routing_plot
 from bench.run_all import write_summary
 from bench.stats import RequestRecord, percentile, summarize
@@ -207,3 +216,49 @@ def test_pinned_moves_this_process_and_restores_it() -> None:
     assert os.sched_getaffinity(0) == mine  # restored on failure too
     with pinned(None):
         assert os.sched_getaffinity(0) == mine
+
+
+def test_pin_process_moves_every_thread_of_a_running_process(tmp_path: Path) -> None:
+    mine = sorted(os.sched_getaffinity(0))
+    cpu = mine[-1]
+    # a thread started before the pin reports its own mask after it, then the main thread
+    code = (
+        "import os, sys, threading\n"
+        "go = threading.Event()\n"
+        "def report():\n"
+        "    go.wait(); print(sorted(os.sched_getaffinity(0)), flush=True)\n"
+        "t = threading.Thread(target=report); t.start()\n"
+        "print('ready', flush=True); sys.stdin.readline(); go.set(); t.join()\n"
+        "print(sorted(os.sched_getaffinity(0)), flush=True)\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        assert proc.stdout.readline().strip() == "ready"
+        pin_process(proc.pid, [cpu])
+        out, _ = proc.communicate("go\n", timeout=30)
+    finally:
+        proc.kill()
+    assert out.strip().split("\n") == [str([cpu])] * 2
+    pin_process(2**22 + 12345, [cpu])  # a process that is gone: nothing to do, no error
+
+
+def test_bridges_run_only_for_the_router_that_reads_them() -> None:
+    from bench.routing_bench import BenchConfig, _fleet_args
+
+    base = dict(
+        profiles=["dense"], routers=["kvroute"], workers=2, smoke=True, trace_name="t",
+        trace=[], load=None, slo_ttft_s=0.5, out_dir=Path("."), fleet_args=("--speed", "1"),
+    )  # fmt: skip
+    fleet = BenchConfig(**base, bridges="fleet")  # type: ignore[arg-type]
+    router = BenchConfig(**base, bridges="router")  # type: ignore[arg-type]
+    assert _fleet_args(fleet, "smg") == ("--speed", "1")
+    assert _fleet_args(router, "kvroute") == ("--speed", "1")
+    assert _fleet_args(router, "smg") == ("--speed", "1", "--no-bridge")
+    assert _fleet_args(router, "proxy") == ("--speed", "1", "--no-bridge")
+    already = BenchConfig(  # type: ignore[arg-type]
+        **{**base, "fleet_args": ("--no-bridge",)}, bridges="router"
+    )
+    assert _fleet_args(already, "smg") == ("--no-bridge",)

@@ -15,6 +15,8 @@ per router:
   sessions (``bench.stats.paired_bootstrap``): "lower" / "higher" only when the interval
   excludes zero,
 - with the oracle in the run, each router's cached tokens as a share of the oracle's.
+- the routers run in a rotated order from seed to seed (the k-th seed starts with the k-th
+  router), so a drift of the machine during a run does not always favour the same router.
 - the requests both routers answered, split by whether the engines cached the same tokens
   for them under both: the median TTFT difference on the equal ones is what the routers
   themselves cost, on the others what their choices did.
@@ -34,6 +36,7 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -353,6 +356,14 @@ def merge_earlier(new: dict[str, Any], earlier: dict[str, Any] | None) -> dict[s
     return {**new, "routers": rows + list(fresh.values())}
 
 
+def rotated(routers: Sequence[str], k: int) -> list[str]:
+    """``routers`` starting from the k-th (modulo their number)."""
+    if not routers:
+        return []
+    k %= len(routers)
+    return [*routers[k:], *routers[:k]]
+
+
 def _split_args(argv: Sequence[str]) -> tuple[list[int], list[str], bool, bool]:
     p = argparse.ArgumentParser(
         prog="python -m bench.routing_seeds",
@@ -391,11 +402,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = "python -m bench.routing_seeds " + shlex.join(argv)
     failed = 0
     configs = {}
-    for seed in seeds:
+    for k, seed in enumerate(seeds):
         args = parse_args(
             [*rest, "--seed", str(seed), "--out-dir", str(out_root / "seeds" / f"seed{seed}")]
         )
-        configs[seed] = build_config(args)
+        cfg = build_config(args)
+        configs[seed] = replace(cfg, routers=rotated(cfg.routers, k))
     first_cfg = configs[seeds[0]]
     for profile in first_cfg.profiles:
         per_seed: dict[int, dict[str, Any]] = {}

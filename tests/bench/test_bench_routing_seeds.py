@@ -19,6 +19,7 @@ from bench.routing_seeds import (
     main,
     markdown,
     merge_earlier,
+    rotated,
 )
 
 
@@ -212,3 +213,33 @@ def test_report_only_aggregates_the_saved_seeds_again(tmp_path: Path) -> None:
     assert (tmp_path / "routing_seeds_dense.md").read_text().startswith("# Routing benchmark")
     with pytest.raises(SystemExit, match="no "):
         main(["--seeds", "7", "--profile", "dense", "--report-only", "--out-dir", str(tmp_path)])
+
+
+def test_routers_run_in_a_rotated_order_from_seed_to_seed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert rotated(["a", "b", "c"], 0) == ["a", "b", "c"]
+    assert rotated(["a", "b", "c"], 4) == ["b", "c", "a"]
+    assert rotated([], 3) == []
+    orders: list[list[str]] = []
+
+    def fake_run_profile(cfg: Any, profile: str, command: str) -> dict[str, Any]:
+        orders.append(list(cfg.routers))
+        run_dir = cfg.out_dir / "runs" / f"routing_{profile}"
+        for name in cfg.routers:
+            _session_records(run_dir, name, {"s": [0.1, 0.1]})
+        return {
+            "command": command,
+            "fleet": {"workers": 4, "cache_backend": "sim"},
+            "trace": {"name": "preset default", "requests": 2},
+            "replay": "open loop at 1.0x trace time",
+            "routers": [_row(name, 0.1, 1.0, 800) for name in cfg.routers],
+        }
+
+    monkeypatch.setattr("bench.routing_seeds.run_profile", fake_run_profile)
+    argv = ["--seeds", "5,6,7", "--profile", "dense", "--routers", "kvroute,smg-cache-aware"]
+    assert main([*argv, "--out-dir", str(tmp_path)]) == 0
+    kv, smg = "kvroute", "smg-cache-aware"
+    assert orders == [[kv, smg], [smg, kv], [kv, smg]]
+    agg = json.loads((tmp_path / "routing_seeds_dense.json").read_text())
+    assert [r["name"] for r in agg["routers"]] == [kv, smg] and agg["reference"] == kv

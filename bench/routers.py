@@ -67,6 +67,13 @@ ROUTERS: dict[str, RouterSpec] = {
             "ttft",
             (("KVROUTE_LOAD__METRICS_INTERVAL_S", "0"),),
         ),
+        RouterSpec(
+            "kvroute-no-balance",
+            "kvroute (default, new sessions not balanced)",
+            "kvroute",
+            "ttft",
+            (("KVROUTE_POLICY__NEW_SESSION_BALANCE", "0"),),
+        ),
         RouterSpec("kvroute-session", "kvroute session affinity", "kvroute", "session"),
         RouterSpec("kvroute-least-load", "kvroute least load", "kvroute", "least_load"),
         RouterSpec("kvroute-round-robin", "kvroute round robin", "kvroute", "round_robin"),

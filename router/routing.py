@@ -20,6 +20,7 @@ from router.index_view import IndexView
 from router.metrics import RouterMetrics
 from router.openai_request import ClientRequest, skips_prefix_cache
 from router.policy import Decision, FullAttentionOnlyPolicy, Policy, RouteInput, session_key
+from router.sessions import SessionPlacements
 from router.tokenize.ratelog import RateLimitedLog
 from router.workers import ModelRoute, Worker, WorkerRegistry
 
@@ -105,6 +106,7 @@ class Routing:
         self._fa_only = isinstance(policy, FullAttentionOnlyPolicy)
         self._decision_hist = metrics.decision_seconds
         self._decision_count = metrics.decisions
+        self.sessions = SessionPlacements(cfg.session_idle_s, cfg.max_sessions)
 
     def resolve_model(self, req: ClientRequest) -> ModelRoute:
         """The request's model; a missing model is fine when the fleet serves exactly one."""
@@ -246,10 +248,19 @@ class Routing:
         started = time.perf_counter()
         workers = self.eligible(route, exclude)
         key = session_key(req.header_map, req.body, self.cfg)
+        now = self._clock()
+        new_session = key is not None and self.sessions.worker_of(key, now) is None
         decision = self.policy.decide(
             workers,
-            RouteInput(prompt.n_tokens, reuse, key, prompt.coverage),
-            self._clock(),
+            RouteInput(
+                prompt.n_tokens,
+                reuse,
+                key,
+                prompt.coverage,
+                new_session,
+                self.sessions.tokens_by_worker(now) if new_session else None,
+            ),
+            now,
         )
         self._decision_hist.observe(time.perf_counter() - started)
         self._metrics.child(self._decision_count, decision.policy, decision.reason).inc()
@@ -260,6 +271,11 @@ class Routing:
                 retry_after=self._retry_after,
             )
         return decision
+
+    def placed(self, worker: Worker, decision: Decision, prompt: Prompt) -> None:
+        """The request went to `worker`: its session (if it has a key) now lives there."""
+        if decision.session_key is not None:
+            self.sessions.record(decision.session_key, worker.name, prompt.n_tokens, self._clock())
 
     def expect(self, worker: Worker, prompt: Prompt) -> None:
         """Credit the chosen worker with this prompt until its events arrive (or expiry).

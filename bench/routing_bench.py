@@ -98,9 +98,9 @@ class BenchConfig:
     # on the rest; None = all share every CPU
     router_cpus: tuple[int, ...] | None = None
     fleet_cpus: tuple[int, ...] | None = None
-    # --bridges: "fleet" = every run's fleet has bridges, beside the engines; "router" = only
-    # runs of a router that reads them (kvroute) have bridges, on the router's CPUs
-    bridges: str = "fleet"
+    # --bridges: "router" = only runs of a router that reads them (kvroute) have bridges, on
+    # the router's CPUs; "fleet" = every run's fleet has bridges, beside the engines
+    bridges: str = "router"
 
 
 def _start_fleet_retrying(
@@ -390,9 +390,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--bridges",
         choices=("fleet", "router"),
-        default="fleet",
-        help="fleet: every run's fleet has bridges, on the engines' CPUs; router: only kvroute's "
-        "runs have bridges (no other router reads them), on --router-cpus with the router",
+        default="router",
+        help="router (default): only kvroute's runs have bridges (no other router reads them), "
+        "on --router-cpus with the router, so the engines' CPU does the same work under every "
+        "router; fleet: every run's fleet has bridges, beside the engines (before stop 16; "
+        "bench/results/bridge_placement_345)",
     )
     p.add_argument("--out-dir", default=str(RESULTS))
     args = p.parse_args(argv)

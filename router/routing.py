@@ -249,7 +249,11 @@ class Routing:
         workers = self.eligible(route, exclude)
         key = session_key(req.header_map, req.body, self.cfg)
         now = self._clock()
-        new_session = key is not None and self.sessions.worker_of(key, now) is None
+        new_session = (
+            self.cfg.new_session_balance > 0
+            and key is not None
+            and self.sessions.worker_of(key, now) is None
+        )
         decision = self.policy.decide(
             workers,
             RouteInput(
@@ -273,8 +277,9 @@ class Routing:
         return decision
 
     def placed(self, worker: Worker, decision: Decision, prompt: Prompt) -> None:
-        """The request went to `worker`: its session (if it has a key) now lives there."""
-        if decision.session_key is not None:
+        """The request went to `worker`: its session (if it has a key) now lives there
+        (remembered only for `policy.new_session_balance`)."""
+        if decision.session_key is not None and self.cfg.new_session_balance > 0:
             self.sessions.record(decision.session_key, worker.name, prompt.n_tokens, self._clock())
 
     def expect(self, worker: Worker, prompt: Prompt) -> None:

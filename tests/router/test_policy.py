@@ -258,7 +258,7 @@ def test_a_conversation_stays_home_despite_more_running_there() -> None:
 
 def test_new_sessions_do_not_pile_onto_the_holder_of_a_shared_prefix() -> None:
     ws = fleet(3)
-    cfg, lm = policy(prefill_tokens_per_s=20_000.0)
+    cfg, lm = policy(prefill_tokens_per_s=20_000.0, new_session_balance=1.25)
     p = make_policy(cfg, lm)
     # w0 alone holds the tenant's 1,152-token system prompt; the first turn is 1,300 tokens
     reuse = {"w0": 1152, "w1": 0, "w2": 0}
@@ -301,7 +301,9 @@ def test_a_new_session_gets_no_home_charge_on_the_holder_of_its_prefix() -> None
 
 def test_balance_never_sends_a_new_session_to_a_saturated_worker_over_a_calm_one() -> None:
     ws = fleet(3)
-    cfg, lm = policy(prefill_tokens_per_s=20_000.0, max_running_per_worker=2)
+    cfg, lm = policy(
+        prefill_tokens_per_s=20_000.0, max_running_per_worker=2, new_session_balance=1.25
+    )
     for _ in range(2):
         LoadTicket(ws[1].load, 0)  # w1 saturated (running cap)
         LoadTicket(ws[2].load, 0)  # w2 too

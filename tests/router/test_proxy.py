@@ -426,6 +426,7 @@ def test_session_affinity_end_to_end() -> None:
                 for i in range(30)
             }
             assert len(others) == 3
+            assert len(r.parts.routing.sessions) == 0  # placements kept only for the balance
 
     run(go())
 
@@ -568,7 +569,7 @@ def test_new_sessions_spread_off_the_prefix_holder_and_known_ones_stay() -> None
     `balance`); a session's later turns follow its placement; removing a worker forgets it."""
 
     async def go() -> None:
-        async with rig(3) as r:
+        async with rig(3, policy={"new_session_balance": 1.25}) as r:
             r.index.scores = {"w0": 16, "w1": 0, "w2": 0}
             first: dict[str, str] = {}
             for i in range(9):

@@ -164,6 +164,7 @@ class Engine:
         self.slowdown = 1.0
         self.steps = 0
         self.rejected = 0
+        self.peak_waiting = 0  # the longest the waiting queue has been (it grows only here)
         self.busy_seconds = 0.0
         self._task: asyncio.Task[None] | None = None
 
@@ -206,6 +207,7 @@ class Engine:
         handle = RequestHandle(req, arrival=time.monotonic())
         request = self._cache_request(req.request_id, req.prompt_ids, req.lora_name, req.cache_salt)
         self.scheduler.add(dataclasses.replace(request, max_tokens=max(1, req.max_tokens)))
+        self.peak_waiting = max(self.peak_waiting, self.scheduler.num_waiting)
         self.handles[req.request_id] = handle
         self._streams[req.request_id] = OutputStream(
             req.prompt_ids,

@@ -311,6 +311,9 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
         fleet_args = (*fleet_args, "--cache-backend", "vllm", "--startup-timeout", "240")
         suffix = "_vllm" + suffix
         notes.append("engines use vLLM 0.33's own KVCacheManager (--cache-backend vllm)")
+    # without CPUs of their own, kvroute's bridges would share the engines' CPUs while the
+    # other routers ran none: without --router-cpus every run gets them, as before
+    bridges = args.bridges if args.router_cpus else "fleet"
     router_cpus = fleet_cpus = None
     if args.router_cpus:
         try:
@@ -320,7 +323,7 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
         except ValueError as exc:
             raise SystemExit(f"--router-cpus: {exc}") from None
         rc, fc = ",".join(map(str, router_cpus)), ",".join(map(str, fleet_cpus))
-        if args.bridges == "router":
+        if bridges == "router":
             notes.append(
                 f"the router (and kvroute's bridges) run on CPU {rc}; engines and the load "
                 f"generator on CPU {fc}"
@@ -330,7 +333,7 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
                 f"the router runs alone on CPU {rc}; engines, bridges and the load generator "
                 f"on CPU {fc}"
             )
-    if args.bridges == "router":
+    if bridges == "router":
         notes.append("bridges run only for kvroute, the one router that reads them")
     return BenchConfig(
         profiles=profiles,
@@ -349,7 +352,7 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
         fleet_python=fleet_python,
         router_cpus=router_cpus,
         fleet_cpus=fleet_cpus,
-        bridges=args.bridges,
+        bridges=bridges,
     )
 
 
@@ -391,10 +394,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--bridges",
         choices=("fleet", "router"),
         default="router",
-        help="router (default): only kvroute's runs have bridges (no other router reads them), "
-        "on --router-cpus with the router, so the engines' CPU does the same work under every "
-        "router; fleet: every run's fleet has bridges, beside the engines (before stop 16; "
-        "bench/results/bridge_placement_345)",
+        help="router (default, with --router-cpus): only kvroute's runs have bridges (no other "
+        "router reads them), on --router-cpus with the router, so the engines' CPU does the "
+        "same work under every router; fleet (always without --router-cpus): every run's fleet "
+        "has bridges, beside the engines (before stop 16; bench/results/bridge_placement_345)",
     )
     p.add_argument("--out-dir", default=str(RESULTS))
     args = p.parse_args(argv)

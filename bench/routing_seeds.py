@@ -402,12 +402,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = "python -m bench.routing_seeds " + shlex.join(argv)
     failed = 0
     configs = {}
-    for k, seed in enumerate(seeds):
+    for seed in seeds:
         args = parse_args(
             [*rest, "--seed", str(seed), "--out-dir", str(out_root / "seeds" / f"seed{seed}")]
         )
         cfg = build_config(args)
-        configs[seed] = replace(cfg, routers=rotated(cfg.routers, k))
+        # by rank among the seeds: the smallest (whose rows order the report) keeps the order
+        configs[seed] = replace(cfg, routers=rotated(cfg.routers, sorted(seeds).index(seed)))
     first_cfg = configs[seeds[0]]
     for profile in first_cfg.profiles:
         per_seed: dict[int, dict[str, Any]] = {}

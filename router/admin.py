@@ -33,7 +33,6 @@ from router.events import EventSubscriptions
 from router.index_view import IndexView, ReuseExplanation
 from router.metrics import RouterMetrics
 from router.openai_request import CHAT, COMPLETIONS, RESPONSES, parse_request
-from router.policy import RouteInput, session_key
 from router.routing import Routing
 from router.verify import Verifier
 from router.workers import Worker, WorkerRegistry
@@ -124,11 +123,9 @@ class Admin:
             )
         reuse = routing.reuse(prompt)
         eligible = routing.eligible(route)
-        key = session_key(req.header_map, req.body, routing.cfg)
+        now = self._clock()
         decision = routing.policy.decide(
-            eligible,
-            RouteInput(prompt.n_tokens, reuse, key, prompt.coverage),
-            self._clock(),
+            eligible, routing.route_input(req, prompt, reuse, now), now
         )
         by_name = {c.name: c for c in decision.candidates}
         down = self._events.unusable()
@@ -173,7 +170,7 @@ class Admin:
                 "chosen": decision.chosen.name if decision.chosen else None,
                 "reason": decision.reason,
                 "detail": decision.detail,
-                "session": key is not None,
+                "session": decision.session_key is not None,
                 "workers": workers,
             }
         )

@@ -247,25 +247,8 @@ class Routing:
         """Choose among eligible workers; raises 503 when there are none."""
         started = time.perf_counter()
         workers = self.eligible(route, exclude)
-        key = session_key(req.header_map, req.body, self.cfg)
         now = self._clock()
-        new_session = (
-            self.cfg.new_session_balance > 0
-            and key is not None
-            and self.sessions.worker_of(key, now) is None
-        )
-        decision = self.policy.decide(
-            workers,
-            RouteInput(
-                prompt.n_tokens,
-                reuse,
-                key,
-                prompt.coverage,
-                new_session,
-                self.sessions.tokens_by_worker(now) if new_session else None,
-            ),
-            now,
-        )
+        decision = self.policy.decide(workers, self.route_input(req, prompt, reuse, now), now)
         self._decision_hist.observe(time.perf_counter() - started)
         self._metrics.child(self._decision_count, decision.policy, decision.reason).inc()
         if decision.chosen is None:
@@ -275,6 +258,25 @@ class Routing:
                 retry_after=self._retry_after,
             )
         return decision
+
+    def route_input(
+        self, req: ClientRequest, prompt: Prompt, reuse: Mapping[str, int | None], now: float
+    ) -> RouteInput:
+        """What the policy sees of this request (the proxy and /admin/score alike)."""
+        key = session_key(req.header_map, req.body, self.cfg)
+        new_session = (
+            self.cfg.new_session_balance > 0
+            and key is not None
+            and self.sessions.worker_of(key, now) is None
+        )
+        return RouteInput(
+            prompt.n_tokens,
+            reuse,
+            key,
+            prompt.coverage,
+            new_session,
+            self.sessions.tokens_by_worker(now) if new_session else None,
+        )
 
     def placed(self, worker: Worker, decision: Decision, prompt: Prompt) -> None:
         """The request went to `worker`: its session (if it has a key) now lives there

@@ -9,14 +9,20 @@ session key, the worker of the session's last request and the size of its prompt
 the session occupies there); the policy uses the sums per worker to keep new sessions'
 footprint balanced (`policy.new_session_balance`).
 
-Bounded: at most `max_sessions` entries (the least recently seen are dropped first), and a
-session not seen for `idle_s` no longer counts.
+Bounded: at most `max_sessions` entries of a fixed size (a 16-byte digest of the key; the least
+recently seen are dropped first), and a session not seen for `idle_s` no longer counts.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
+
+
+def _digest(key: str) -> bytes:
+    # session keys come from clients (a header, the body's `user`): keep 16 bytes, not the key
+    return hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=16).digest()
 
 
 @dataclass(slots=True)
@@ -34,19 +40,22 @@ class SessionPlacements:
             raise ValueError("max_sessions must be >= 1")
         self._idle_s = idle_s
         self._max = max_sessions
-        self._by_key: OrderedDict[str, _Placement] = OrderedDict()  # oldest seen first
+        self._by_key: OrderedDict[bytes, _Placement] = OrderedDict()  # oldest seen first
         self._tokens: dict[str, int] = {}  # worker -> sum of its live sessions' tokens
 
     def __len__(self) -> int:
         return len(self._by_key)
 
-    def _drop_oldest(self) -> None:
-        _, p = self._by_key.popitem(last=False)
-        left = self._tokens[p.worker] - p.tokens
-        if left:
+    def _release(self, p: _Placement) -> None:
+        left = self._tokens.get(p.worker, 0) - p.tokens
+        if left > 0:
             self._tokens[p.worker] = left
         else:
-            del self._tokens[p.worker]
+            self._tokens.pop(p.worker, None)
+
+    def _drop_oldest(self) -> None:
+        _, p = self._by_key.popitem(last=False)
+        self._release(p)
 
     def expire(self, now: float) -> None:
         """Forget sessions not seen for `idle_s` (the map is ordered by last seen)."""
@@ -60,22 +69,20 @@ class SessionPlacements:
 
     def worker_of(self, key: str, now: float) -> str | None:
         """The worker of the session's last request, if the session is live."""
-        p = self._by_key.get(key)
+        p = self._by_key.get(_digest(key))
         if p is None or p.seen <= now - self._idle_s:
             return None
         return p.worker
 
     def record(self, key: str, worker: str, tokens: int, now: float) -> None:
         """The session's request went to `worker` with a `tokens`-long prompt."""
-        old = self._by_key.pop(key, None)
+        digest = _digest(key)
+        old = self._by_key.pop(digest, None)
         if old is not None:
-            left = self._tokens[old.worker] - old.tokens
-            if left:
-                self._tokens[old.worker] = left
-            else:
-                del self._tokens[old.worker]
-        self._by_key[key] = _Placement(worker, tokens, now)
-        self._tokens[worker] = self._tokens.get(worker, 0) + tokens
+            self._release(old)
+        self._by_key[digest] = _Placement(worker, tokens, now)
+        if tokens > 0:
+            self._tokens[worker] = self._tokens.get(worker, 0) + tokens
         while len(self._by_key) > self._max:
             self._drop_oldest()
 

@@ -164,7 +164,7 @@ class Engine:
         self.slowdown = 1.0
         self.steps = 0
         self.rejected = 0
-        self.peak_waiting = 0  # the longest the waiting queue has been (it grows only here)
+        self.peak_waiting = 0  # the longest the waiting queue has been at a submit
         self.busy_seconds = 0.0
         self._task: asyncio.Task[None] | None = None
 

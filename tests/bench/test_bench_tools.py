@@ -220,6 +220,8 @@ def test_pinned_moves_this_process_and_restores_it() -> None:
 
 def test_pin_process_moves_every_thread_of_a_running_process(tmp_path: Path) -> None:
     mine = sorted(os.sched_getaffinity(0))
+    if len(mine) < 2:
+        pytest.skip("needs two CPUs to tell a pinned thread from an unpinned one")
     cpu = mine[-1]
     # a thread started before the pin reports its own mask after it, then the main thread
     code = (

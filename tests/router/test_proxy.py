@@ -564,9 +564,10 @@ def test_stream_end_goes_out_with_the_last_event() -> None:
 
 
 def test_new_sessions_spread_off_the_prefix_holder_and_known_ones_stay() -> None:
-    """Through real HTTP: w0 alone holds a prefix every request shares. New sessions go there
-    until the live sessions placed on w0 hold more than their share, then elsewhere (reason
-    `balance`); a session's later turns follow its placement; removing a worker forgets it."""
+    """Through real HTTP, with policy.new_session_balance on: w0 alone holds a prefix every
+    request shares. New sessions go there until the live sessions placed on w0 hold more than
+    their share, then elsewhere (reason `balance`); a known session's next turn is routed by
+    the cache alone; removing a worker forgets the sessions placed there."""
 
     async def go() -> None:
         async with rig(3, policy={"new_session_balance": 1.25}) as r:
@@ -593,5 +594,11 @@ def test_new_sessions_spread_off_the_prefix_holder_and_known_ones_stay() -> None
             assert last.reason == "cache" and last.chosen is not None
             assert last.chosen.name == "w0"  # where the cache is (the scripted index says so)
             assert placed.worker_of(moved, time.monotonic()) == "w0"
+            on_w1 = [k for k, w in first.items() if w == "w1" and k != moved]
+            assert on_w1 and all(placed.worker_of(k, time.monotonic()) == "w1" for k in on_w1)
+            resp = await r.client.delete("/admin/workers/w1", headers=r.admin_headers())
+            assert resp.status_code == 200
+            assert all(placed.worker_of(k, time.monotonic()) is None for k in on_w1)
+            assert "w1" not in placed.tokens_by_worker(time.monotonic())
 
     run(go())

@@ -79,3 +79,17 @@ def test_sums_match_a_recount_under_random_use() -> None:
         assert s.tokens_by_worker(now) == expected
         key = f"s{rng.randrange(60)}"
         assert s.worker_of(key, now) == (live[key][0] if key in live else None)
+
+
+def test_zero_token_sessions_and_huge_keys() -> None:
+    s = SessionPlacements(idle_s=30.0, max_sessions=100)
+    s.record("a", "w0", 0, 0.0)
+    s.record("b", "w0", 0, 0.0)
+    s.record("a", "w1", 10, 1.0)  # moving a zero-token session leaves nothing behind
+    s.record("b", "w1", 0, 1.0)
+    assert s.tokens_by_worker(2.0) == {"w1": 10}
+    assert s.worker_of("a", 2.0) == "w1" and s.worker_of("b", 2.0) == "w1"
+    big = "k" * 1_000_000  # a client's key is kept as a 16-byte digest, whatever its size
+    s.record(big, "w2", 5, 3.0)
+    assert s.worker_of(big, 3.0) == "w2" and s.worker_of(big[:-1], 3.0) is None
+    assert all(len(k) == 16 for k in s._by_key)

@@ -348,8 +348,9 @@ def test_waiting_queue_is_bounded() -> None:
         for t in threads:
             t.start()
         # Wait until a request is refused: the queue must have reached its bound and never
-        # passed it (the engine keeps its peak: polling the queue from here misses it when the
-        # scheduler moves one to running between two reads)
+        # passed it at a submit (the engine keeps that peak: polling the queue from here misses
+        # it when the scheduler moves one to running between two reads; nothing is preempted
+        # here, the other way a queue grows)
         deadline = time.monotonic() + 5
         while s.engine.rejected == 0 and time.monotonic() < deadline:
             time.sleep(0.005)

@@ -67,13 +67,6 @@ ROUTERS: dict[str, RouterSpec] = {
             "ttft",
             (("KVROUTE_LOAD__METRICS_INTERVAL_S", "0"),),
         ),
-        RouterSpec(
-            "kvroute-new-session-balance",
-            "kvroute (default + new sessions balanced)",
-            "kvroute",
-            "ttft",
-            (("KVROUTE_POLICY__NEW_SESSION_BALANCE", "1.25"),),
-        ),
         RouterSpec("kvroute-session", "kvroute session affinity", "kvroute", "session"),
         RouterSpec("kvroute-least-load", "kvroute least load", "kvroute", "least_load"),
         RouterSpec("kvroute-round-robin", "kvroute round robin", "kvroute", "round_robin"),

@@ -123,9 +123,8 @@ class Admin:
             )
         reuse = routing.reuse(prompt)
         eligible = routing.eligible(route)
-        now = self._clock()
         decision = routing.policy.decide(
-            eligible, routing.route_input(req, prompt, reuse, now), now
+            eligible, routing.route_input(req, prompt, reuse), self._clock()
         )
         by_name = {c.name: c for c in decision.candidates}
         down = self._events.unusable()

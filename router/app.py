@@ -38,7 +38,6 @@ from router.passthrough import Passthrough
 from router.policy import LoadModel, Policy, SessionPicker, make_policy
 from router.proxy import Proxy, ProxyEndpoint
 from router.routing import Routing, TokenizerLike
-from router.sessions import SessionPlacements
 from router.tokenize import Tokenizers, TokenizerSpec
 from router.upstream import Upstream
 from router.verify import Verifier
@@ -113,12 +112,10 @@ class _Housekeeping:
         probes: list[Callable[[Worker], Any]],
         verifier: Verifier,
         session: SessionPicker | None,
-        placements: SessionPlacements,
     ) -> None:
         self._probes = probes
         self._verifier = verifier
         self._session = session
-        self._placements = placements
         self.started = False
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -136,7 +133,6 @@ class _Housekeeping:
 
     def worker_removed(self, worker: Worker) -> None:
         self._verifier.forget(worker.name)
-        self._placements.forget_worker(worker.name)
         if self._session is not None:
             self._session.forget(worker.name)
 
@@ -271,7 +267,6 @@ def create_app(
         [health, models_probe, metrics_probe],
         verifier,
         session if isinstance(session, SessionPicker) else None,
-        routing.sessions,
     )
     registry.listen(housekeeping)
     jobs = [

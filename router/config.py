@@ -121,23 +121,6 @@ class PolicyConfig:
     session_bounded_load: float = _f(
         1.25, "consistent hashing: a worker takes at most this factor times the mean load"
     )
-    new_session_balance: float = _f(
-        0.0,
-        "e.g. 1.25: a session this router has not placed yet (by its session key) may start on "
-        "a worker only while the live sessions placed there hold at most this factor times "
-        "the mean over the eligible workers, plus the new prompt (prompt tokens of each "
-        "session's last request), and gets no home charge there (new sessions otherwise pile "
-        "onto the one worker holding a prefix they share, whose cache may then evict their "
-        "histories between turns). 0 = off, the default: on the Mamba routing benchmark "
-        "(three seeds) 1.25 measured no better (pooled p50 +3.1 ms n.d., one seed 6 points "
-        "less cached; bench/results/new_session_balance)",
-    )
-    session_idle_s: float = _f(
-        120.0,
-        "a session not seen for this long no longer counts as placed (see above): long "
-        "enough to span think time and the time a quiet session's history stays cached",
-    )
-    max_sessions: int = _f(100_000, "sessions whose placement is remembered (oldest dropped)")
     virtual_nodes: int = _f(64, "consistent hashing: ring points per worker")
     hash_unit: int = _f(16, "index hash unit in tokens; must divide every group's block size")
     expect_seconds: float = _f(

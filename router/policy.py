@@ -30,7 +30,6 @@ from router.workers import Worker
 # Reasons (stable strings, also metric label values)
 CACHE = "cache"  # the best estimated TTFT, with reuse somewhere in the fleet
 SPILL = "spill"  # best was saturated; next best unsaturated taken
-BALANCE = "balance"  # a new session kept off workers already holding more than their share
 AFFINITY = "affinity"  # nothing reusable: where the prompt's full-attention blocks already are
 SESSION = "session"  # no cache evidence: consistent hash of the session key
 LEAST_LOAD = "least_load"  # no cache evidence and no session key (or policy least_load)
@@ -81,11 +80,6 @@ class RouteInput:
     # full-attention coverage of the workers with sliding-window or Mamba groups (missing:
     # the same as the reuse); see TTFTPolicy._junction_credit
     coverage: Mapping[str, int] | None = None
-    # a session key this router has no live placement for (its first request, or back after
-    # a pause); then session_tokens is the prompt tokens of the live sessions per worker
-    # (router.sessions), and no worker counts as the request's home
-    new_session: bool = False
-    session_tokens: Mapping[str, int] | None = None
 
 
 class LoadModel:
@@ -112,19 +106,13 @@ class LoadModel:
         return self.candidates([worker], {worker.name: reuse}, n_tokens, now)[0]
 
     def candidates(
-        self,
-        workers: Sequence[Worker],
-        reuse: Mapping[str, int | None],
-        n_tokens: int,
-        now: float,
-        has_home: bool = True,
+        self, workers: Sequence[Worker], reuse: Mapping[str, int | None], n_tokens: int, now: float
     ) -> list[Candidate]:
-        """One Candidate per worker (a tight loop: this runs for every worker per request).
-        `has_home` False: no worker gets the home charge (a new session has no history)."""
+        """One Candidate per worker (a tight loop: this runs for every worker per request)."""
         cfg = self.cfg
         inv_rate = self.seconds_per_token()
         per_running = cfg.decode_s_per_running
-        home = home_worker(reuse, cfg.hash_unit) if has_home else None
+        home = home_worker(reuse, cfg.hash_unit)
         per_running_home = cfg.decode_s_per_running_home
         queue_weight = cfg.queue_weight
         step_weight = cfg.step_wait_weight
@@ -202,7 +190,7 @@ class Policy:
     def decide(self, workers: Sequence[Worker], req: RouteInput, now: float) -> Decision:
         n = req.n_tokens
         reuse = req.reuse
-        cands = self.load_model.candidates(workers, reuse, n, now, not req.new_session)
+        cands = self.load_model.candidates(workers, reuse, n, now)
         if not cands:
             return Decision(self.name, None, NO_WORKER, "no eligible worker", [], n, None, 0)
         chosen, reason, detail = self.pick(cands, req)
@@ -281,11 +269,9 @@ class TTFTPolicy(Policy):
             # different orders (discovery events arrive in any order) choose alike.
             return (c.est_ttft_s - credit * c.affinity, -(c.reuse or 0), c.running, c.name)
 
-        balanced = self._balanced(cands, req)
-        pool = cands if balanced is None else balanced
-        best = min(pool, key=key)
+        best = min(cands, key=key)
         if best.saturated and self.cfg.spill:
-            calm = [c for c in pool if not c.saturated] or [c for c in cands if not c.saturated]
+            calm = [c for c in cands if not c.saturated]
             if calm:
                 alt = min(calm, key=key)
                 return (
@@ -293,16 +279,6 @@ class TTFTPolicy(Policy):
                     SPILL,
                     f"{best.name} saturated (est TTFT {best.est_ttft_s:.3f}s, running "
                     f"{best.running}); best unsaturated reuses {alt.reuse or 0} tokens",
-                )
-        if balanced is not None:
-            over = min(cands, key=key)
-            if over is not best:
-                return (
-                    best,
-                    BALANCE,
-                    f"new session: {over.name} (reuse {over.reuse or 0}) already holds more "
-                    f"than its share of live sessions; {best.name} reuses {best.reuse or 0} of "
-                    f"{req.n_tokens} tokens",
                 )
         if best.affinity > 0 and (best.reuse or 0) < max(best_reuse, 1):
             return (
@@ -320,19 +296,6 @@ class TTFTPolicy(Policy):
             f"lowest est TTFT {best.est_ttft_s:.3f}s reusing {best.reuse or 0} of "
             f"{req.n_tokens} tokens (fleet best reuse {best_reuse})",
         )
-
-    def _balanced(self, cands: list[Candidate], req: RouteInput) -> list[Candidate] | None:
-        """For a new session: the candidates whose live sessions' tokens are within
-        `new_session_balance` x the mean (plus the new prompt), or None (not a new session,
-        balancing off, or no one over the bound)."""
-        factor = self.cfg.new_session_balance
-        loads = req.session_tokens
-        if not req.new_session or factor <= 0 or loads is None or len(cands) < 2:
-            return None
-        held = [loads.get(c.name, 0) for c in cands]
-        bound = factor * sum(held) / len(held) + req.n_tokens
-        within = [c for c, h in zip(cands, held, strict=True) if h <= bound]
-        return within if len(within) < len(cands) else None
 
     def _cold(self, cands: list[Candidate], req: RouteInput) -> tuple[Candidate, str, str]:
         if req.session_key is not None:

@@ -332,7 +332,6 @@ class Proxy:
         breaker.on_send(self._clock())
         ticket = LoadTicket(worker.load, cand.uncached)
         self._prompt_size.observe(cand.uncached)
-        self._routing.placed(worker, record.decision, prompt)
         self._routing.expect(worker, prompt)
         # The prefill is taken as done at the first byte or at the estimated TTFT, whichever
         # comes first. (Holding a stream's queued tokens until its first byte, the exact end

@@ -20,7 +20,6 @@ from router.index_view import IndexView
 from router.metrics import RouterMetrics
 from router.openai_request import ClientRequest, skips_prefix_cache
 from router.policy import Decision, FullAttentionOnlyPolicy, Policy, RouteInput, session_key
-from router.sessions import SessionPlacements
 from router.tokenize.ratelog import RateLimitedLog
 from router.workers import ModelRoute, Worker, WorkerRegistry
 
@@ -106,7 +105,6 @@ class Routing:
         self._fa_only = isinstance(policy, FullAttentionOnlyPolicy)
         self._decision_hist = metrics.decision_seconds
         self._decision_count = metrics.decisions
-        self.sessions = SessionPlacements(cfg.session_idle_s, cfg.max_sessions)
 
     def resolve_model(self, req: ClientRequest) -> ModelRoute:
         """The request's model; a missing model is fine when the fleet serves exactly one."""
@@ -247,8 +245,7 @@ class Routing:
         """Choose among eligible workers; raises 503 when there are none."""
         started = time.perf_counter()
         workers = self.eligible(route, exclude)
-        now = self._clock()
-        decision = self.policy.decide(workers, self.route_input(req, prompt, reuse, now), now)
+        decision = self.policy.decide(workers, self.route_input(req, prompt, reuse), self._clock())
         self._decision_hist.observe(time.perf_counter() - started)
         self._metrics.child(self._decision_count, decision.policy, decision.reason).inc()
         if decision.chosen is None:
@@ -260,29 +257,11 @@ class Routing:
         return decision
 
     def route_input(
-        self, req: ClientRequest, prompt: Prompt, reuse: Mapping[str, int | None], now: float
+        self, req: ClientRequest, prompt: Prompt, reuse: Mapping[str, int | None]
     ) -> RouteInput:
         """What the policy sees of this request (the proxy and /admin/score alike)."""
         key = session_key(req.header_map, req.body, self.cfg)
-        new_session = (
-            self.cfg.new_session_balance > 0
-            and key is not None
-            and self.sessions.worker_of(key, now) is None
-        )
-        return RouteInput(
-            prompt.n_tokens,
-            reuse,
-            key,
-            prompt.coverage,
-            new_session,
-            self.sessions.tokens_by_worker(now) if new_session else None,
-        )
-
-    def placed(self, worker: Worker, decision: Decision, prompt: Prompt) -> None:
-        """The request went to `worker`: its session (if it has a key) now lives there
-        (remembered only for `policy.new_session_balance`)."""
-        if decision.session_key is not None and self.cfg.new_session_balance > 0:
-            self.sessions.record(decision.session_key, worker.name, prompt.n_tokens, self._clock())
+        return RouteInput(prompt.n_tokens, reuse, key, prompt.coverage)
 
     def expect(self, worker: Worker, prompt: Prompt) -> None:
         """Credit the chosen worker with this prompt until its events arrive (or expiry).

@@ -102,3 +102,15 @@ def test_errors_and_deadline_are_recorded(
     closed = LoadConfig(url="http://127.0.0.1:9", model=MODEL, request_timeout_s=2.0)
     (down,) = _run(trace[:1], closed)
     assert not down.ok and down.status is None and "Connect" in (down.error or "")
+
+
+def test_records_name_the_engine_that_answered(trace: list[TraceRequest]) -> None:
+    """A named simulated engine answers its name as `system_fingerprint` in the streamed usage
+    chunk; the record keeps it as the worker (unnamed engines, as vLLM, leave it unset)."""
+    few = [r for r in trace if r.turn == 0][:3]
+    with SimEngineThread(EngineConfig(model=MODEL, speed=2.0), name="sim-7") as named:
+        recs = _run(few, LoadConfig(url=named.url, model=MODEL, time_scale=None, concurrency=3))
+    assert [r.worker for r in recs] == ["sim-7"] * len(few)
+    with SimEngineThread(EngineConfig(model=MODEL, speed=2.0)) as unnamed:
+        recs = _run(few, LoadConfig(url=unnamed.url, model=MODEL, time_scale=None, concurrency=3))
+    assert all(r.ok for r in recs) and [r.worker for r in recs] == [None] * len(few)

@@ -5,13 +5,10 @@ from __future__ import annotations
 
 import collections
 
-import pytest
-
 from router.config import BreakerConfig, PolicyConfig, WorkerSpec
 from router.index_view import GroupReuse, ReuseExplanation
 from router.load import EngineMetrics, LoadTicket
 from router.policy import (
-    BALANCE,
     CACHE,
     LEAST_LOAD,
     ROUND_ROBIN,
@@ -254,60 +251,3 @@ def test_a_conversation_stays_home_despite_more_running_there() -> None:
     cfg, lm = policy()
     d = make_policy(cfg, lm).decide(ws, RouteInput(1000, {"w0": 656, "w1": 656}, "t"), 0.0)
     assert d.chosen is not None and d.chosen.name == "w1"
-
-
-def test_new_sessions_do_not_pile_onto_the_holder_of_a_shared_prefix() -> None:
-    ws = fleet(3)
-    cfg, lm = policy(prefill_tokens_per_s=20_000.0, new_session_balance=1.25)
-    p = make_policy(cfg, lm)
-    # w0 alone holds the tenant's 1,152-token system prompt; the first turn is 1,300 tokens
-    reuse = {"w0": 1152, "w1": 0, "w2": 0}
-    live = {"w0": 9000, "w1": 2000, "w2": 1000}  # tokens of live sessions placed on each
-    d = p.decide(ws, RouteInput(1300, reuse, "s", None, True, live), 0.0)
-    # mean 4,000 x 1.25 + 1,300 = 6,300 < 9,000: w0 is over its share, w1/w2 tie on TTFT
-    assert d.chosen is not None and d.chosen.name in ("w1", "w2") and d.reason == BALANCE
-    assert "w0" in d.detail
-    # within the bound the cache wins as before
-    light = {"w0": 4000, "w1": 2000, "w2": 1000}  # bound 2,333 x 1.25 + 1,300 = 4,217
-    d = p.decide(ws, RouteInput(1300, reuse, "s", None, True, light), 0.0)
-    assert d.chosen is not None and d.chosen.name == "w0" and d.reason == CACHE
-    # a session this router has placed (not new) stays with its history whatever the sums
-    d = p.decide(ws, RouteInput(1300, reuse, "s", None, False, None), 0.0)
-    assert d.chosen is not None and d.chosen.name == "w0" and d.reason == CACHE
-    # off: the cache wins
-    cfg0, lm0 = policy(prefill_tokens_per_s=20_000.0, new_session_balance=0.0)
-    d = make_policy(cfg0, lm0).decide(ws, RouteInput(1300, reuse, "s", None, True, live), 0.0)
-    assert d.chosen is not None and d.chosen.name == "w0" and d.reason == CACHE
-
-
-def test_a_new_session_gets_no_home_charge_on_the_holder_of_its_prefix() -> None:
-    ws = fleet(2)
-    for _ in range(6):
-        LoadTicket(ws[0].load, 0)  # w0 holds the shared system prompt and runs 6 requests
-    reuse = {"w0": 800, "w1": 0}
-    cfg, lm = policy(
-        prefill_tokens_per_s=1000.0, decode_s_per_running=0.005, decode_s_per_running_home=0.001
-    )
-    p = make_policy(cfg, lm)
-    known = p.decide(ws, RouteInput(1000, reuse, "s", None, False, None), 0.0)
-    new = p.decide(ws, RouteInput(1000, reuse, "t", None, True, {}), 0.0)
-    # known: 0.2 + 0.006 s on w0 (home) against 1.0 s; new: 0.2 + 0.030 s against 1.0 s
-    by_known = {c.name: c.est_ttft_s for c in known.candidates}
-    by_new = {c.name: c.est_ttft_s for c in new.candidates}
-    assert by_known["w0"] == pytest.approx(0.2 + 6 * 0.001)
-    assert by_new["w0"] == pytest.approx(0.2 + 6 * 0.005)
-    assert by_new["w1"] == by_known["w1"] == pytest.approx(1.0)
-
-
-def test_balance_never_sends_a_new_session_to_a_saturated_worker_over_a_calm_one() -> None:
-    ws = fleet(3)
-    cfg, lm = policy(
-        prefill_tokens_per_s=20_000.0, max_running_per_worker=2, new_session_balance=1.25
-    )
-    for _ in range(2):
-        LoadTicket(ws[1].load, 0)  # w1 saturated (running cap)
-        LoadTicket(ws[2].load, 0)  # w2 too
-    reuse = {"w0": 1152, "w1": 0, "w2": 0}
-    live = {"w0": 9000, "w1": 0, "w2": 0}
-    d = make_policy(cfg, lm).decide(ws, RouteInput(1300, reuse, "s", None, True, live), 0.0)
-    assert d.chosen is not None and d.chosen.name == "w0" and d.reason == SPILL

@@ -218,7 +218,7 @@ def test_pinned_moves_this_process_and_restores_it() -> None:
         assert os.sched_getaffinity(0) == mine
 
 
-def test_pin_process_moves_every_thread_of_a_running_process(tmp_path: Path) -> None:
+def test_pin_process_moves_every_thread_of_a_running_process() -> None:
     mine = sorted(os.sched_getaffinity(0))
     if len(mine) < 2:
         pytest.skip("needs two CPUs to tell a pinned thread from an unpinned one")
@@ -264,3 +264,14 @@ def test_bridges_run_only_for_the_router_that_reads_them() -> None:
         **{**base, "fleet_args": ("--no-bridge",)}, bridges="router"
     )
     assert _fleet_args(already, "smg") == ("--no-bridge",)
+
+
+def test_bridges_beside_the_router_only_when_the_router_has_cpus_of_its_own() -> None:
+    from bench.routing_bench import build_config, parse_args
+
+    assert build_config(parse_args(["--smoke", "--profile", "dense"])).bridges == "fleet"
+    mine = sorted(os.sched_getaffinity(0))
+    if len(mine) >= 2:
+        argv = ["--smoke", "--profile", "dense", "--router-cpus", str(mine[-1])]
+        assert build_config(parse_args(argv)).bridges == "router"
+        assert build_config(parse_args([*argv, "--bridges", "fleet"])).bridges == "fleet"

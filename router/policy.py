@@ -9,12 +9,14 @@ Estimated TTFT of a request on worker w (seconds):
         + decode_s_per_running * running(w)
         + step_wait_weight * step_wait(w)
 (decode_s_per_running_home instead on the request's home: the one worker whose reuse beats
-every other's by at least a hash unit, see `home_worker`)
+every other's by at least a hash unit, see `home_worker`, for a request that continues a
+conversation; a chat's first turn has no home, see `RouteInput.continues`)
 where prefill_rate is `policy.prefill_tokens_per_s` (or, with `policy.learn_prefill_rate`, the
 rate measured from streamed first bytes), queued_prefill counts this process's in-flight
 prefill tokens plus the engine's other waiting requests at the learned mean size, and
-uncached(w) = prompt tokens - reuse(w), and step_wait(w) is the expected wait for the engine
-step in flight on a busy worker (`router.step_clock`).
+uncached(w) = prompt tokens - reuse(w) (queue_weight applies only where reuse(w) > 0: where
+nothing of the prompt is cached the queue is waited in full), and step_wait(w) is the
+expected wait for the engine step in flight on a busy worker (`router.step_clock`).
 """
 
 from __future__ import annotations
@@ -80,6 +82,11 @@ class RouteInput:
     # full-attention coverage of the workers with sliding-window or Mamba groups (missing:
     # the same as the reuse); see TTFTPolicy._junction_credit
     coverage: Mapping[str, int] | None = None
+    # Whether the request continues a conversation (a chat whose messages hold an earlier
+    # assistant reply or tool result): False for a chat's first turn, None when unknown
+    # (a raw prompt). A first turn's reuse is shared content (a system prompt), so no worker
+    # is its home (see `home_worker`).
+    continues: bool | None = None
 
 
 class LoadModel:
@@ -106,15 +113,25 @@ class LoadModel:
         return self.candidates([worker], {worker.name: reuse}, n_tokens, now)[0]
 
     def candidates(
-        self, workers: Sequence[Worker], reuse: Mapping[str, int | None], n_tokens: int, now: float
+        self,
+        workers: Sequence[Worker],
+        reuse: Mapping[str, int | None],
+        n_tokens: int,
+        now: float,
+        has_home: bool = True,
     ) -> list[Candidate]:
-        """One Candidate per worker (a tight loop: this runs for every worker per request)."""
+        """One Candidate per worker (a tight loop: this runs for every worker per request).
+        `has_home` False: the request starts a conversation, so no worker gets the home
+        charge (`decode_s_per_running_home`)."""
         cfg = self.cfg
         inv_rate = self.seconds_per_token()
         per_running = cfg.decode_s_per_running
-        home = home_worker(reuse, cfg.hash_unit)
+        home = home_worker(reuse, cfg.hash_unit) if has_home or not cfg.first_turn_no_home else None
         per_running_home = cfg.decode_s_per_running_home
         queue_weight = cfg.queue_weight
+        # Below-1 queue weight keeps a request with its cache; without reuse there it is waited
+        # in full (two cold re-prefills would otherwise stack on one busy worker)
+        cold_weight = 1.0 if cfg.full_queue_without_reuse else queue_weight
         step_weight = cfg.step_wait_weight
         sat_queue = cfg.saturation_queue_s
         max_running = cfg.max_running_per_worker
@@ -145,7 +162,7 @@ class LoadModel:
             queue_s = queued * inv_rate
             step_wait = load.steps.expected_wait(now, running > 0) if step_weight else 0.0
             est = (
-                queue_weight * queue_s
+                (queue_weight if r else cold_weight) * queue_s
                 + uncached * inv_rate
                 + (per_running_home if worker.name == home else per_running) * running
                 + step_weight * step_wait
@@ -190,7 +207,7 @@ class Policy:
     def decide(self, workers: Sequence[Worker], req: RouteInput, now: float) -> Decision:
         n = req.n_tokens
         reuse = req.reuse
-        cands = self.load_model.candidates(workers, reuse, n, now)
+        cands = self.load_model.candidates(workers, reuse, n, now, req.continues is not False)
         if not cands:
             return Decision(self.name, None, NO_WORKER, "no eligible worker", [], n, None, 0)
         chosen, reason, detail = self.pick(cands, req)

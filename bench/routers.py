@@ -68,14 +68,11 @@ ROUTERS: dict[str, RouterSpec] = {
             (("KVROUTE_LOAD__METRICS_INTERVAL_S", "0"),),
         ),
         RouterSpec(
-            "kvroute-home-first-turns",
-            "kvroute (stop 16: first turns have a home, cold queues weighted)",
+            "kvroute-weighted-cold-queue",
+            "kvroute (default, cold queues at queue_weight as in stop 16)",
             "kvroute",
             "ttft",
-            (
-                ("KVROUTE_POLICY__FIRST_TURN_NO_HOME", "false"),
-                ("KVROUTE_POLICY__FULL_QUEUE_WITHOUT_REUSE", "false"),
-            ),
+            (("KVROUTE_POLICY__FULL_QUEUE_WITHOUT_REUSE", "false"),),
         ),
         RouterSpec("kvroute-session", "kvroute session affinity", "kvroute", "session"),
         RouterSpec("kvroute-least-load", "kvroute least load", "kvroute", "least_load"),

@@ -89,13 +89,6 @@ class PolicyConfig:
         "requests got less cache than under smg, mostly second turns that moved and kept only "
         "the shared system prompt; at 1 ms, 3)",
     )
-    first_turn_no_home: bool = _f(
-        True,
-        "a chat's first turn (no assistant reply or tool result in its messages) has no home: "
-        "its reuse is content other conversations share (a tenant's system prompt), so the "
-        "worker holding it gets the ordinary per-running charge and new conversations spread "
-        "by load instead of piling onto it",
-    )
     full_queue_without_reuse: bool = _f(
         True,
         "on a worker that reuses nothing of the request, count its queued prefill in full "

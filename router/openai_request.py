@@ -167,20 +167,6 @@ def _bad(param: str, what: str) -> RouterError:
     return RouterError(INVALID_FIELD, f"'{param}' {what}", param=param)
 
 
-_LATER_TURN_ROLES = frozenset(("assistant", "tool", "function"))
-
-
-def continues_conversation(req: ClientRequest) -> bool | None:
-    """Whether a chat request continues a conversation: True when its messages hold an
-    assistant reply or a tool result, False for a first turn, None for other endpoints."""
-    if req.endpoint != CHAT:
-        return None
-    messages = req.body.get("messages")
-    if not isinstance(messages, list):
-        return None
-    return any(isinstance(m, dict) and m.get("role") in _LATER_TURN_ROLES for m in messages)
-
-
 def skips_prefix_cache(req: ClientRequest) -> bool:
     """Requests vLLM serves without reading the prefix cache: `prompt_logprobs` (it must
     compute every prompt position) and pooling (embeddings). They reuse nothing anywhere."""

@@ -9,8 +9,7 @@ Estimated TTFT of a request on worker w (seconds):
         + decode_s_per_running * running(w)
         + step_wait_weight * step_wait(w)
 (decode_s_per_running_home instead on the request's home: the one worker whose reuse beats
-every other's by at least a hash unit, see `home_worker`, for a request that continues a
-conversation; a chat's first turn has no home, see `RouteInput.continues`)
+every other's by at least a hash unit, see `home_worker`)
 where prefill_rate is `policy.prefill_tokens_per_s` (or, with `policy.learn_prefill_rate`, the
 rate measured from streamed first bytes), queued_prefill counts this process's in-flight
 prefill tokens plus the engine's other waiting requests at the learned mean size, and
@@ -82,11 +81,6 @@ class RouteInput:
     # full-attention coverage of the workers with sliding-window or Mamba groups (missing:
     # the same as the reuse); see TTFTPolicy._junction_credit
     coverage: Mapping[str, int] | None = None
-    # Whether the request continues a conversation (a chat whose messages hold an earlier
-    # assistant reply or tool result): False for a chat's first turn, None when unknown
-    # (a raw prompt). A first turn's reuse is shared content (a system prompt), so no worker
-    # is its home (see `home_worker`).
-    continues: bool | None = None
 
 
 class LoadModel:
@@ -113,20 +107,13 @@ class LoadModel:
         return self.candidates([worker], {worker.name: reuse}, n_tokens, now)[0]
 
     def candidates(
-        self,
-        workers: Sequence[Worker],
-        reuse: Mapping[str, int | None],
-        n_tokens: int,
-        now: float,
-        has_home: bool = True,
+        self, workers: Sequence[Worker], reuse: Mapping[str, int | None], n_tokens: int, now: float
     ) -> list[Candidate]:
-        """One Candidate per worker (a tight loop: this runs for every worker per request).
-        `has_home` False: the request starts a conversation, so no worker gets the home
-        charge (`decode_s_per_running_home`)."""
+        """One Candidate per worker (a tight loop: this runs for every worker per request)."""
         cfg = self.cfg
         inv_rate = self.seconds_per_token()
         per_running = cfg.decode_s_per_running
-        home = home_worker(reuse, cfg.hash_unit) if has_home or not cfg.first_turn_no_home else None
+        home = home_worker(reuse, cfg.hash_unit)
         per_running_home = cfg.decode_s_per_running_home
         queue_weight = cfg.queue_weight
         # Below-1 queue weight keeps a request with its cache; without reuse there it is waited
@@ -207,7 +194,7 @@ class Policy:
     def decide(self, workers: Sequence[Worker], req: RouteInput, now: float) -> Decision:
         n = req.n_tokens
         reuse = req.reuse
-        cands = self.load_model.candidates(workers, reuse, n, now, req.continues is not False)
+        cands = self.load_model.candidates(workers, reuse, n, now)
         if not cands:
             return Decision(self.name, None, NO_WORKER, "no eligible worker", [], n, None, 0)
         chosen, reason, detail = self.pick(cands, req)

@@ -18,7 +18,7 @@ from router.config import ModelSpec, PolicyConfig
 from router.errors import NO_WORKER, TOKENIZE, UNKNOWN_MODEL, RouterError
 from router.index_view import IndexView
 from router.metrics import RouterMetrics
-from router.openai_request import ClientRequest, continues_conversation, skips_prefix_cache
+from router.openai_request import ClientRequest, skips_prefix_cache
 from router.policy import Decision, FullAttentionOnlyPolicy, Policy, RouteInput, session_key
 from router.tokenize.ratelog import RateLimitedLog
 from router.workers import ModelRoute, Worker, WorkerRegistry
@@ -261,7 +261,7 @@ class Routing:
     ) -> RouteInput:
         """What the policy sees of this request (the proxy and /admin/score alike)."""
         key = session_key(req.header_map, req.body, self.cfg)
-        return RouteInput(prompt.n_tokens, reuse, key, prompt.coverage, continues_conversation(req))
+        return RouteInput(prompt.n_tokens, reuse, key, prompt.coverage)
 
     def expect(self, worker: Worker, prompt: Prompt) -> None:
         """Credit the chosen worker with this prompt until its events arrive (or expiry).

@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 from router import inspect_cli
-from router.load import LoadTicket
 from tests.router.harness import ADMIN, rig
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello there"}]}
@@ -59,37 +58,6 @@ def test_score_explains_without_side_effects() -> None:
                 "/admin/score", json={**CHAT, "model": "x"}, headers=r.admin_headers()
             )
             assert unknown.status_code == 404
-
-    run(go())
-
-
-def test_score_gives_a_first_turn_no_home() -> None:
-    """The request path tells the policy whether a chat continues a conversation: a first
-    turn pays the ordinary per-running charge on the worker holding its prefix, a later turn
-    (with an assistant reply in its messages) the lower home charge."""
-
-    async def go() -> None:
-        async with rig(2) as r:
-            r.index.scores = {"w0": 16, "w1": 0}  # w0 alone holds the prompt's start
-            w0 = r.parts.registry.get("w0")
-            assert w0 is not None
-            for _ in range(10):
-                LoadTicket(w0.load, 0).prefill_done()  # ten running requests on w0
-            later = {
-                "model": "m",
-                "messages": [
-                    {"role": "user", "content": "hello there"},
-                    {"role": "assistant", "content": "hi"},
-                    {"role": "user", "content": "more"},
-                ],
-            }
-            charge = {}
-            for name, body in (("first", CHAT), ("later", later)):
-                resp = await r.client.post("/admin/score", json=body, headers=r.admin_headers())
-                w = next(w for w in resp.json()["workers"] if w["worker"] == "w0")
-                charge[name] = w["est_ttft_s"] - w["uncached_tokens"] / 20_000
-            assert abs(charge["first"] - 10 * 0.005) < 1e-6
-            assert abs(charge["later"] - 10 * 0.001) < 1e-6
 
     run(go())
 

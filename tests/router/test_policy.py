@@ -253,30 +253,6 @@ def test_a_conversation_stays_home_despite_more_running_there() -> None:
     assert d.chosen is not None and d.chosen.name == "w1"
 
 
-def test_a_first_turn_has_no_home() -> None:
-    """A chat's first turn reuses only shared content (a tenant's system prompt): the worker
-    holding it is charged like any other per running request, so new conversations spread by
-    load; a later turn keeps the home charge and stays where its conversation is."""
-    cfg, lm = policy()  # 20,000 tokens/s; 5 ms per running request, 1 ms at home
-    ws = fleet(2)
-    for _ in range(20):
-        LoadTicket(ws[0].load, 0).prefill_done()  # 20 running decodes on w0
-    reuse = {"w0": 1000, "w1": 0}  # the system prompt, on w0 only
-    # w0: 100 uncached tokens (5 ms) + 20 running; w1: 1,100 tokens (55 ms), nothing running
-    first = make_policy(cfg, lm).decide(ws, RouteInput(1100, reuse, "s", continues=False), 0.0)
-    assert first.chosen is not None and first.chosen.name == "w1"
-    by = {c.name: c.est_ttft_s for c in first.candidates}
-    assert abs(by["w0"] - (0.005 + 20 * 0.005)) < 1e-9
-    later = make_policy(cfg, lm).decide(ws, RouteInput(1100, reuse, "s", continues=True), 0.0)
-    assert later.chosen is not None and later.chosen.name == "w0"
-    assert abs(later.candidates[0].est_ttft_s - (0.005 + 20 * 0.001)) < 1e-9
-    unknown = make_policy(cfg, lm).decide(ws, RouteInput(1100, reuse, "s"), 0.0)  # raw prompt
-    assert unknown.chosen is not None and unknown.chosen.name == "w0"
-    off, lm_off = policy(first_turn_no_home=False)
-    d = make_policy(off, lm_off).decide(ws, RouteInput(1100, reuse, "s", continues=False), 0.0)
-    assert d.chosen is not None and d.chosen.name == "w0"
-
-
 def test_a_cold_request_waits_a_queue_in_full() -> None:
     """Where a worker reuses nothing of the request its queue counts in full: two cold
     re-prefills whose full-attention blocks sit on one busy worker do not stack there for
@@ -284,7 +260,7 @@ def test_a_cold_request_waits_a_queue_in_full() -> None:
     cfg, lm = policy()
     ws = fleet(2)
     LoadTicket(ws[0].load, 6900)  # another cold 6,900-token prefill in flight on w0
-    req = RouteInput(6900, {"w0": 0, "w1": 0}, None, {"w0": 6800}, continues=True)
+    req = RouteInput(6900, {"w0": 0, "w1": 0}, None, {"w0": 6800})
     d = make_policy(cfg, lm).decide(ws, req, 0.0)
     # w0: 6,900 queued + 6,900 own (+ 5 ms for the running one), less 0.5 * 6,800 tokens of
     # junction credit = 10,400 tokens; w1: 6,900
@@ -296,6 +272,6 @@ def test_a_cold_request_waits_a_queue_in_full() -> None:
     # the old weighting: 0.25 * 6,900 + 6,900 - 3,400 = 5,225 tokens, under w1's 6,900
     assert d.chosen is not None and d.chosen.name == "w0" and d.reason == "affinity"
     # with reuse there the queue keeps its weight (a request stays with its cache)
-    warm = RouteInput(6900, {"w0": 3000, "w1": 0}, None, continues=True)
+    warm = RouteInput(6900, {"w0": 3000, "w1": 0}, None)
     c0 = next(c for c in make_policy(cfg, lm).decide(ws, warm, 0.0).candidates if c.name == "w0")
     assert abs(c0.est_ttft_s - ((0.25 * 6900 + 3900) / 20_000 + 0.001)) < 1e-9  # home charge

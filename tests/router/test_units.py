@@ -15,12 +15,7 @@ from router.config import RetryConfig
 from router.errors import RouterError
 from router.hashring import HashRing
 from router.load import LoadTicket, WorkerLoad, parse_engine_metrics
-from router.openai_request import (
-    continues_conversation,
-    forward_headers,
-    parse_request,
-    with_stream_usage,
-)
+from router.openai_request import forward_headers, parse_request, with_stream_usage
 from router.retry import Backoff, RetryBudget
 from router.sse import SseFilter, usage_from_json
 
@@ -329,19 +324,3 @@ def test_usage_splice_equals_re_encoding(fields: dict[str, object], indent: int 
     req = parse_request("/v1/completions", raw, [])
     spliced = json.loads(with_stream_usage(req.body, raw))
     assert spliced == json.loads(with_stream_usage(req.body))
-
-
-def test_continues_conversation_reads_the_roles() -> None:
-    def chat(*roles: str) -> bytes:
-        msgs = [{"role": r, "content": "x"} for r in roles]
-        return json.dumps({"model": "m", "messages": msgs}).encode()
-
-    def parsed(endpoint: str, raw: bytes) -> bool | None:
-        return continues_conversation(parse_request(endpoint, raw, []))
-
-    assert parsed("/v1/chat/completions", chat("system", "user")) is False
-    assert parsed("/v1/chat/completions", chat("user")) is False
-    assert parsed("/v1/chat/completions", chat("system", "user", "assistant", "user")) is True
-    assert parsed("/v1/chat/completions", chat("user", "assistant", "tool")) is True
-    raw = json.dumps({"model": "m", "prompt": "hello"}).encode()
-    assert parsed("/v1/completions", raw) is None  # a raw prompt: unknown

@@ -37,6 +37,7 @@ class RouterSpec:
     kind: str  # kvroute | smg | vllm-router | proxy
     policy: str
     env: tuple[tuple[str, str], ...] = ()  # extra environment (kvroute: KVROUTE_* settings)
+    fleet_args: tuple[str, ...] = ()  # extra `kvroute sim fleet` options for its runs
 
 
 ROUTERS: dict[str, RouterSpec] = {
@@ -73,6 +74,13 @@ ROUTERS: dict[str, RouterSpec] = {
             "kvroute",
             "ttft",
             (("KVROUTE_POLICY__FULL_QUEUE_WITHOUT_REUSE", "false"),),
+        ),
+        RouterSpec(
+            "kvroute-bridges-idle",
+            "kvroute (default, bridges at SCHED_IDLE)",
+            "kvroute",
+            "ttft",
+            fleet_args=("--bridge-sched-idle",),
         ),
         RouterSpec("kvroute-session", "kvroute session affinity", "kvroute", "session"),
         RouterSpec("kvroute-least-load", "kvroute least load", "kvroute", "least_load"),

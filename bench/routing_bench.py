@@ -43,6 +43,7 @@ from bench.procs import (
 from bench.report import routing_markdown, routing_plot
 from bench.routers import (
     ROUTERS,
+    RouterSpec,
     RouterUnavailable,
     RunningRouter,
     kvroute_available,
@@ -149,12 +150,15 @@ def _bridge_pids(fleet: Fleet) -> list[int]:
     return [pid for pid, (cmdline, _) in found.items() if " bridge " in f" {cmdline} "]
 
 
-def _fleet_args(cfg: BenchConfig, spec_kind: str) -> tuple[str, ...]:
+def _fleet_args(cfg: BenchConfig, spec: RouterSpec) -> tuple[str, ...]:
     """The fleet's options for one router's run: with ``--bridges router``, no bridges unless
-    the router reads them (the engines publish their events either way)."""
-    if cfg.bridges == "router" and spec_kind != "kvroute" and "--no-bridge" not in cfg.fleet_args:
+    the router reads them (the engines publish their events either way); the router's own
+    fleet options (``RouterSpec.fleet_args``) where it has bridges."""
+    if cfg.bridges == "router" and spec.kind != "kvroute":
+        if "--no-bridge" in cfg.fleet_args:
+            return cfg.fleet_args
         return (*cfg.fleet_args, "--no-bridge")
-    return cfg.fleet_args
+    return (*cfg.fleet_args, *spec.fleet_args)
 
 
 def run_router(cfg: BenchConfig, profile: str, name: str, run_dir: Path) -> dict[str, Any]:
@@ -165,7 +169,7 @@ def run_router(cfg: BenchConfig, profile: str, name: str, run_dir: Path) -> dict
     t0 = time.monotonic()
     with ProcessGroup(run_dir / "logs" / name) as pg:
         try:
-            fleet = _start_fleet_retrying(pg, cfg, profile, run_dir, _fleet_args(cfg, spec.kind))
+            fleet = _start_fleet_retrying(pg, cfg, profile, run_dir, _fleet_args(cfg, spec))
             if cfg.bridges == "router" and cfg.router_cpus is not None:
                 for pid in _bridge_pids(fleet):
                     pin_process(pid, cfg.router_cpus)

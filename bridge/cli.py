@@ -78,6 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="raise the bridge's CPU niceness by this much (0-19): on a host it shares with "
         "the engine, the engine's request and token work goes first",
     )
+    parser.add_argument(
+        "--sched-idle",
+        action="store_true",
+        help="run in Linux's SCHED_IDLE class: the bridge only takes CPU time no other process "
+        "wants (for a bridge beside a latency-sensitive process, such as the router)",
+    )
     parser.add_argument("--log-level", default="INFO")
     return parser
 
@@ -140,5 +146,11 @@ def main(argv: list[str]) -> int:
             os.nice(args.nice)
         except OSError as exc:  # e.g. a sandbox without setpriority: run at the old priority
             log.warning("cannot lower the bridge's CPU priority: %s", exc)
+    if args.sched_idle:
+        # set before any thread starts (gRPC's, ZMQ's): new threads inherit the class
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        except (OSError, AttributeError) as exc:  # not Linux, or not allowed
+            log.warning("cannot run the bridge at SCHED_IDLE: %s", exc)
     asyncio.run(serve(config))
     return 0

@@ -119,6 +119,7 @@ class Fleet:
     bridges: bool = True
     startup_timeout: float = 60.0
     bridge_nice: int | None = None  # None: the bridge's default
+    bridge_sched_idle: bool = False  # the bridges in Linux's SCHED_IDLE class
     members: list[Member] = field(default_factory=list)
 
     def start(self) -> list[Member]:
@@ -166,6 +167,8 @@ class Fleet:
                 argv += ["--replay", m.replay]
             if self.bridge_nice is not None:
                 argv += ["--nice", str(self.bridge_nice)]
+            if self.bridge_sched_idle:
+                argv.append("--sched-idle")
             m.bridge = _spawn(argv)
         for m in self.members:
             if m.bridge is None:
@@ -249,6 +252,11 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         help="the bridges' CPU niceness increment (default: the bridge's own default)",
     )
+    p.add_argument(
+        "--bridge-sched-idle",
+        action="store_true",
+        help="run the bridges in Linux's SCHED_IDLE class (see `kvroute bridge --sched-idle`)",
+    )
     p.add_argument("--startup-timeout", type=float, default=60.0)
     add_engine_args(p)
     return p
@@ -280,7 +288,14 @@ def main(argv: list[str]) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    fleet = Fleet(args.workers, engine_argv(args), bridges, args.startup_timeout, args.bridge_nice)
+    fleet = Fleet(
+        args.workers,
+        engine_argv(args),
+        bridges,
+        args.startup_timeout,
+        args.bridge_nice,
+        args.bridge_sched_idle,
+    )
     try:
         members = fleet.start()
     except RuntimeError as exc:

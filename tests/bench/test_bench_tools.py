@@ -248,6 +248,7 @@ def test_pin_process_moves_every_thread_of_a_running_process() -> None:
 
 
 def test_bridges_run_only_for_the_router_that_reads_them() -> None:
+    from bench.routers import ROUTERS
     from bench.routing_bench import BenchConfig, _fleet_args
 
     base = dict(
@@ -256,14 +257,19 @@ def test_bridges_run_only_for_the_router_that_reads_them() -> None:
     )  # fmt: skip
     fleet = BenchConfig(**base, bridges="fleet")  # type: ignore[arg-type]
     router = BenchConfig(**base, bridges="router")  # type: ignore[arg-type]
-    assert _fleet_args(fleet, "smg") == ("--speed", "1")
-    assert _fleet_args(router, "kvroute") == ("--speed", "1")
-    assert _fleet_args(router, "smg") == ("--speed", "1", "--no-bridge")
-    assert _fleet_args(router, "proxy") == ("--speed", "1", "--no-bridge")
+    kv, smg, proxy = ROUTERS["kvroute"], ROUTERS["smg-cache-aware"], ROUTERS["oracle"]
+    assert _fleet_args(fleet, smg) == ("--speed", "1")
+    assert _fleet_args(router, kv) == ("--speed", "1")
+    assert _fleet_args(router, smg) == ("--speed", "1", "--no-bridge")
+    assert _fleet_args(router, proxy) == ("--speed", "1", "--no-bridge")
     already = BenchConfig(  # type: ignore[arg-type]
         **{**base, "fleet_args": ("--no-bridge",)}, bridges="router"
     )
-    assert _fleet_args(already, "smg") == ("--no-bridge",)
+    assert _fleet_args(already, smg) == ("--no-bridge",)
+    # a kvroute variant's own fleet options, only in its runs
+    idle = ROUTERS["kvroute-bridges-idle"]
+    assert _fleet_args(router, idle) == ("--speed", "1", "--bridge-sched-idle")
+    assert _fleet_args(fleet, idle) == ("--speed", "1", "--bridge-sched-idle")
 
 
 def test_bridges_beside_the_router_only_when_the_router_has_cpus_of_its_own() -> None:

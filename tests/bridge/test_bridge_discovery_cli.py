@@ -186,6 +186,29 @@ def test_cli_runs_and_stops_on_sigterm() -> None:
         ctx.term()
 
 
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux-only")
+def test_cli_sched_idle_puts_every_thread_in_the_idle_class() -> None:
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    argv = [sys.executable, "-m", "kvroute", "bridge", "--engine", f"tcp://127.0.0.1:{port}",
+            "--listen", "127.0.0.1:0", "--http", "127.0.0.1:0", "--sched-idle"]  # fmt: skip
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    try:
+        assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], 30)
+        assert ready and "gRPC on port" in proc.stdout.readline()
+        tids = [int(t) for t in os.listdir(f"/proc/{proc.pid}/task")]
+        assert len(tids) > 1  # gRPC's and ZMQ's threads are running by now
+        assert {os.sched_getscheduler(t) for t in tids} == {os.SCHED_IDLE}
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+        pub.close(linger=0)
+        ctx.term()
+
+
 def test_cli_rejects_bad_arguments() -> None:
     from bridge.cli import main
 

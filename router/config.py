@@ -93,7 +93,9 @@ class PolicyConfig:
         True,
         "on a worker that reuses nothing of the request, count its queued prefill in full "
         "(queue_weight is there to keep a request with its cache; a cold request gains nothing "
-        "by waiting, and two cold re-prefills would otherwise stack on one busy worker)",
+        "by waiting, and two cold re-prefills would otherwise stack on one busy worker for the "
+        "junction credit); Mamba benchmark, six seeds: p99 -114 ms (lower in 5 of 6 seeds), "
+        "p50 +2.4 ms, both within noise (bench/results/cold_queue_ab)",
     )
     step_wait_weight: float = _f(
         0.0,

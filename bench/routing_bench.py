@@ -102,6 +102,9 @@ class BenchConfig:
     # --bridges: "router" = only runs of a router that reads them (kvroute) have bridges, on
     # the router's CPUs; "fleet" = every run's fleet has bridges, beside the engines
     bridges: str = "router"
+    # with bridges "router": their scheduling class beside the router, "idle" (SCHED_IDLE: they
+    # run only when the router does not) or "nice" (the bridge's default niceness, 10)
+    bridge_sched: str = "idle"
 
 
 def _start_fleet_retrying(
@@ -150,6 +153,9 @@ def _bridge_pids(fleet: Fleet) -> list[int]:
     return [pid for pid, (cmdline, _) in found.items() if " bridge " in f" {cmdline} "]
 
 
+IDLE_FLAG = "--bridge-sched-idle"
+
+
 def _fleet_args(cfg: BenchConfig, spec: RouterSpec) -> tuple[str, ...]:
     """The fleet's options for one router's run: with ``--bridges router``, no bridges unless
     the router reads them (the engines publish their events either way); the router's own
@@ -158,7 +164,10 @@ def _fleet_args(cfg: BenchConfig, spec: RouterSpec) -> tuple[str, ...]:
         if "--no-bridge" in cfg.fleet_args:
             return cfg.fleet_args
         return (*cfg.fleet_args, "--no-bridge")
-    return (*cfg.fleet_args, *spec.fleet_args)
+    args = (*cfg.fleet_args, *spec.fleet_args)
+    if cfg.bridges == "router" and cfg.bridge_sched == "idle" and IDLE_FLAG not in args:
+        args = (*args, IDLE_FLAG)
+    return args
 
 
 def run_router(cfg: BenchConfig, profile: str, name: str, run_dir: Path) -> dict[str, Any]:
@@ -338,7 +347,10 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
                 f"on CPU {fc}"
             )
     if bridges == "router":
-        notes.append("bridges run only for kvroute, the one router that reads them")
+        notes.append(
+            "bridges run only for kvroute, the one router that reads them"
+            + (", in the SCHED_IDLE class" if args.bridge_sched == "idle" else ", at nice 10")
+        )
     return BenchConfig(
         profiles=profiles,
         routers=routers,
@@ -357,6 +369,7 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
         router_cpus=router_cpus,
         fleet_cpus=fleet_cpus,
         bridges=bridges,
+        bridge_sched=args.bridge_sched,
     )
 
 
@@ -402,6 +415,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "router reads them), on --router-cpus with the router, so the engines' CPU does the "
         "same work under every router; fleet (always without --router-cpus): every run's fleet "
         "has bridges, beside the engines (before stop 16; bench/results/bridge_placement_345)",
+    )
+    p.add_argument(
+        "--bridge-sched",
+        choices=("idle", "nice"),
+        default="idle",
+        help="with --bridges router: kvroute's bridges beside the router in Linux's SCHED_IDLE "
+        "class (default since stop 17; bench/results/bridge_sched_ab) or at the bridge's "
+        "default niceness 10",
     )
     p.add_argument("--out-dir", default=str(RESULTS))
     args = p.parse_args(argv)

@@ -129,8 +129,11 @@ def _spread(values: Sequence[float]) -> dict[str, float] | None:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def aggregate(per_seed: dict[int, dict[str, Any]], run_dirs: dict[int, Path]) -> dict[str, Any]:
-    """Per-router statistics over the seeds' results (``run_profile`` outputs by seed)."""
+def aggregate(
+    per_seed: dict[int, dict[str, Any]], run_dirs: dict[int, Path], reference: str | None = None
+) -> dict[str, Any]:
+    """Per-router statistics over the seeds' results (``run_profile`` outputs by seed); the
+    paired comparisons are `reference`'s (default: kvroute, else the first router seen)."""
     seeds = sorted(per_seed)
     names: list[str] = []
     labels: dict[str, str] = {}
@@ -166,7 +169,10 @@ def aggregate(per_seed: dict[int, dict[str, Any]], run_dirs: dict[int, Path]) ->
                 },
             }
         )
-    ref = "kvroute" if "kvroute" in names else (names[0] if names else None)
+    if reference is not None and reference in names:
+        ref: str | None = reference
+    else:
+        ref = "kvroute" if "kvroute" in names else (names[0] if names else None)
     paired: list[dict[str, Any]] = []
     for name in names:
         if ref is None or name == ref:
@@ -364,7 +370,7 @@ def rotated(routers: Sequence[str], k: int) -> list[str]:
     return [*routers[k:], *routers[:k]]
 
 
-def _split_args(argv: Sequence[str]) -> tuple[list[int], list[str], bool, bool]:
+def _split_args(argv: Sequence[str]) -> tuple[list[int], list[str], bool, bool, str | None]:
     p = argparse.ArgumentParser(
         prog="python -m bench.routing_seeds",
         description=__doc__,
@@ -385,18 +391,24 @@ def _split_args(argv: Sequence[str]) -> tuple[list[int], list[str], bool, bool]:
         help="run nothing: aggregate the seeds' results already in the output directory again "
         "(after a change to this report)",
     )
+    p.add_argument(
+        "--reference",
+        default=None,
+        help="the router the paired comparisons are against the others (default: kvroute, "
+        "else the first listed)",
+    )
     known, rest = p.parse_known_args(argv)
     seeds = [int(s) for s in known.seeds.split(",") if s.strip()]
     if not seeds:
         p.error("--seeds needs at least one seed")
     if "--seed" in rest:
         p.error("use --seeds, not --seed")
-    return seeds, rest, known.keep_other_routers, known.report_only
+    return seeds, rest, known.keep_other_routers, known.report_only, known.reference
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    seeds, rest, keep_others, report_only = _split_args(argv)
+    seeds, rest, keep_others, report_only, reference = _split_args(argv)
     base = parse_args(rest)
     out_root = Path(base.out_dir)
     command = "python -m bench.routing_seeds " + shlex.join(argv)
@@ -438,7 +450,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"[{profile}] seed {seed} done in {time.monotonic() - t0:.0f}s", file=sys.stderr)
         if report_only:  # the command that ran the seeds, not this one
             command = str(per_seed[seeds[0]].get("command", command)).split(" (seed ")[0]
-        agg = aggregate(per_seed, run_dirs)
+        agg = aggregate(per_seed, run_dirs, reference)
         agg.update(profile=profile, command=command, created=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
         stem = out_root / f"routing_seeds_{profile}{first_cfg.suffix}"
         stem.with_suffix(".json").write_text(json.dumps(agg, indent=2) + "\n")

@@ -82,11 +82,18 @@ def test_aggregate_medians_pooled_and_paired(tmp_path: Path) -> None:
     md = markdown("dense", agg, first, "cmd")
     assert "| kvroute label | 3 | 70.0% (60.0%-80.0%) |" in md
     assert "| smg | 2 | 1/2, median +15.0 ms | 1/2, median -200.0 ms |" in md
+    # another reference: the same seeds' differences, the other way round
+    other = aggregate(per_seed, dirs, reference="smg")
+    (back,) = other["paired"]
+    assert other["reference"] == "smg" and back["other"] == "kvroute"
+    assert back["ttft_p50"]["median_diff_s"] == pytest.approx(-0.015)
+    assert aggregate(per_seed, dirs, reference="nobody")["reference"] == "kvroute"
 
 
 def test_seed_arguments() -> None:
-    seeds, rest, keep, report_only = _split_args(["--seeds", "3,5", "--profile", "swa"])
+    seeds, rest, keep, report_only, ref = _split_args(["--seeds", "3,5", "--profile", "swa"])
     assert seeds == [3, 5] and rest == ["--profile", "swa"] and not keep and not report_only
+    assert ref is None and _split_args(["--reference", "smg"])[4] == "smg"
     assert _split_args(["--keep-other-routers"])[2]
     assert _split_args(["--report-only"])[3]
     with pytest.raises(SystemExit):

@@ -259,7 +259,11 @@ def test_bridges_run_only_for_the_router_that_reads_them() -> None:
     router = BenchConfig(**base, bridges="router")  # type: ignore[arg-type]
     kv, smg, proxy = ROUTERS["kvroute"], ROUTERS["smg-cache-aware"], ROUTERS["oracle"]
     assert _fleet_args(fleet, smg) == ("--speed", "1")
-    assert _fleet_args(router, kv) == ("--speed", "1")
+    assert _fleet_args(fleet, kv) == ("--speed", "1")
+    # beside the router kvroute's bridges run at SCHED_IDLE unless told otherwise
+    assert _fleet_args(router, kv) == ("--speed", "1", "--bridge-sched-idle")
+    nice = BenchConfig(**base, bridges="router", bridge_sched="nice")  # type: ignore[arg-type]
+    assert _fleet_args(nice, kv) == ("--speed", "1")
     assert _fleet_args(router, smg) == ("--speed", "1", "--no-bridge")
     assert _fleet_args(router, proxy) == ("--speed", "1", "--no-bridge")
     already = BenchConfig(  # type: ignore[arg-type]

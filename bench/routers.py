@@ -37,7 +37,8 @@ class RouterSpec:
     kind: str  # kvroute | smg | vllm-router | proxy
     policy: str
     env: tuple[tuple[str, str], ...] = ()  # extra environment (kvroute: KVROUTE_* settings)
-    fleet_args: tuple[str, ...] = ()  # extra `kvroute sim fleet` options for its runs
+    # its bridges' scheduling class, "idle" or "nice" (None: the bench's --bridge-sched)
+    bridge_sched: str | None = None
 
 
 ROUTERS: dict[str, RouterSpec] = {
@@ -76,11 +77,11 @@ ROUTERS: dict[str, RouterSpec] = {
             (("KVROUTE_POLICY__FULL_QUEUE_WITHOUT_REUSE", "false"),),
         ),
         RouterSpec(
-            "kvroute-bridges-idle",
-            "kvroute (default, bridges at SCHED_IDLE)",
+            "kvroute-bridges-nice",
+            "kvroute (default, bridges at nice 10 as before stop 17)",
             "kvroute",
             "ttft",
-            fleet_args=("--bridge-sched-idle",),
+            bridge_sched="nice",
         ),
         RouterSpec("kvroute-session", "kvroute session affinity", "kvroute", "session"),
         RouterSpec("kvroute-least-load", "kvroute least load", "kvroute", "least_load"),

@@ -153,21 +153,17 @@ def _bridge_pids(fleet: Fleet) -> list[int]:
     return [pid for pid, (cmdline, _) in found.items() if " bridge " in f" {cmdline} "]
 
 
-IDLE_FLAG = "--bridge-sched-idle"
-
-
 def _fleet_args(cfg: BenchConfig, spec: RouterSpec) -> tuple[str, ...]:
     """The fleet's options for one router's run: with ``--bridges router``, no bridges unless
-    the router reads them (the engines publish their events either way); the router's own
-    fleet options (``RouterSpec.fleet_args``) where it has bridges."""
+    the router reads them (the engines publish their events either way), and kvroute's
+    bridges in the scheduling class the spec asks for, else the bench's ``--bridge-sched``
+    (which applies only beside the router; beside the engines they keep their niceness)."""
     if cfg.bridges == "router" and spec.kind != "kvroute":
         if "--no-bridge" in cfg.fleet_args:
             return cfg.fleet_args
         return (*cfg.fleet_args, "--no-bridge")
-    args = (*cfg.fleet_args, *spec.fleet_args)
-    if cfg.bridges == "router" and cfg.bridge_sched == "idle" and IDLE_FLAG not in args:
-        args = (*args, IDLE_FLAG)
-    return args
+    sched = spec.bridge_sched or (cfg.bridge_sched if cfg.bridges == "router" else "nice")
+    return (*cfg.fleet_args, "--bridge-sched-idle") if sched == "idle" else cfg.fleet_args
 
 
 def run_router(cfg: BenchConfig, profile: str, name: str, run_dir: Path) -> dict[str, Any]:

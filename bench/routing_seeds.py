@@ -171,7 +171,7 @@ def aggregate(
         )
     if reference is not None and reference in names:
         ref: str | None = reference
-    else:
+    else:  # (main refuses a --reference that is not among the routers)
         ref = "kvroute" if "kvroute" in names else (names[0] if names else None)
     paired: list[dict[str, Any]] = []
     for name in names:
@@ -422,6 +422,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # by rank among the seeds: the smallest (whose rows order the report) keeps the order
         configs[seed] = replace(cfg, routers=rotated(cfg.routers, sorted(seeds).index(seed)))
     first_cfg = configs[seeds[0]]
+    if reference is not None and reference not in first_cfg.routers:
+        raise SystemExit(f"--reference {reference!r} is not one of --routers {first_cfg.routers}")
     for profile in first_cfg.profiles:
         per_seed: dict[int, dict[str, Any]] = {}
         run_dirs: dict[int, Path] = {}

@@ -94,6 +94,9 @@ def test_seed_arguments() -> None:
     seeds, rest, keep, report_only, ref = _split_args(["--seeds", "3,5", "--profile", "swa"])
     assert seeds == [3, 5] and rest == ["--profile", "swa"] and not keep and not report_only
     assert ref is None and _split_args(["--reference", "smg"])[4] == "smg"
+    with pytest.raises(SystemExit, match="not one of --routers"):
+        main(["--seeds", "0", "--smoke", "--profile", "dense", "--routers", "kvroute",
+              "--reference", "smg-cache-aware", "--report-only"])  # fmt: skip
     assert _split_args(["--keep-other-routers"])[2]
     assert _split_args(["--report-only"])[3]
     with pytest.raises(SystemExit):

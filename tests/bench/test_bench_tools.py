@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -270,10 +271,11 @@ def test_bridges_run_only_for_the_router_that_reads_them() -> None:
         **{**base, "fleet_args": ("--no-bridge",)}, bridges="router"
     )
     assert _fleet_args(already, smg) == ("--no-bridge",)
-    # a kvroute variant's own fleet options, only in its runs
-    idle = ROUTERS["kvroute-bridges-idle"]
-    assert _fleet_args(router, idle) == ("--speed", "1", "--bridge-sched-idle")
-    assert _fleet_args(fleet, idle) == ("--speed", "1", "--bridge-sched-idle")
+    # a kvroute variant's own scheduling class wins over the bench's
+    nice_spec = ROUTERS["kvroute-bridges-nice"]
+    assert _fleet_args(router, nice_spec) == ("--speed", "1")
+    idle_spec = dataclasses.replace(kv, bridge_sched="idle")
+    assert _fleet_args(fleet, idle_spec) == ("--speed", "1", "--bridge-sched-idle")
 
 
 def test_bridges_beside_the_router_only_when_the_router_has_cpus_of_its_own() -> None:

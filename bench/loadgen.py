@@ -87,6 +87,22 @@ def _content_of(chunk: dict[str, Any]) -> str:
     return str(c.get("text") or "")
 
 
+def _split_ttft(rec: RequestRecord, t0: float, timing: dict[str, Any]) -> None:
+    """Fill the record's TTFT parts from an engine's timing (monotonic seconds; ``t0`` is
+    ``time.perf_counter()`` at the send, the same clock on Linux)."""
+    arrival, admitted, first = (
+        timing.get("arrival"),
+        timing.get("admitted"),
+        timing.get("first_token"),
+    )
+    if not isinstance(arrival, float | int) or not isinstance(admitted, float | int):
+        return
+    rec.forward_s = arrival - t0
+    rec.queue_s = admitted - arrival
+    if isinstance(first, float | int):
+        rec.prefill_s = first - admitted
+
+
 async def send_one(
     session: aiohttp.ClientSession,
     req: TraceRequest,
@@ -139,12 +155,19 @@ async def send_one(
                 usage = chunk.get("usage")
                 if rec.worker is None and chunk.get("system_fingerprint"):
                     rec.worker = str(chunk["system_fingerprint"])  # a named simulated engine
+                timing = chunk.get("kvroute_engine_timing")
+                if timing:
+                    _split_ttft(rec, t0, timing)
                 if usage:
                     rec.prompt_tokens = usage.get("prompt_tokens")
                     rec.output_tokens = int(usage.get("completion_tokens") or 0)
                     details = usage.get("prompt_tokens_details") or {}
                     rec.cached_tokens = int(details.get("cached_tokens") or 0)
             rec.latency = time.perf_counter() - t0
+            if rec.ttft is not None and rec.forward_s is not None:
+                rec.return_s = rec.ttft - (
+                    rec.forward_s + (rec.queue_s or 0.0) + (rec.prefill_s or 0.0)
+                )
             if rec.ttft is None and rec.error is None:
                 rec.error = "no content"
             if rec.output_tokens == 0:

@@ -26,6 +26,13 @@ class RequestRecord:
     status: int | None = None  # HTTP status
     error: str | None = None
     worker: str | None = None  # from a response header naming the worker, when a router sets one
+    # Where the TTFT went, when a named simulated engine reports its timing (seconds): from the
+    # send to the engine's arrival (the router's forward hop), waiting for admission, the
+    # prefill step(s), and from the engine's first token to the client's (the way back).
+    forward_s: float | None = None
+    queue_s: float | None = None
+    prefill_s: float | None = None
+    return_s: float | None = None
 
     @property
     def ok(self) -> bool:

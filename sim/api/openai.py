@@ -59,6 +59,17 @@ def _compact(obj: Any) -> Any:
     return obj
 
 
+def engine_timing(handle: RequestHandle) -> dict[str, float | None]:
+    """When the engine received, admitted and first answered a request (CLOCK_MONOTONIC
+    seconds, the clock every process on the host shares), so a client on the same host can
+    split its TTFT into the hop to the engine, the queue, the prefill and the hop back."""
+    return {
+        "arrival": handle.arrival,
+        "admitted": handle.admitted_at,
+        "first_token": handle.first_token_at,
+    }
+
+
 def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
 
@@ -297,7 +308,10 @@ class Generation:
                     usage = _compact(_usage(prompt, sum(counts), cached))
                     last = {**head, "choices": [], "usage": usage}
                     if self.name is not None:
+                        # A named engine is the bench's instrument, not a vLLM stand-in: it
+                        # also says where its part of the request's time went.
                         last["system_fingerprint"] = self.name
+                        last["kvroute_engine_timing"] = engine_timing(handles[0])
                     yield _sse(last)
                 yield "data: [DONE]\n\n"
             finally:

@@ -106,11 +106,19 @@ def test_errors_and_deadline_are_recorded(
 
 def test_records_name_the_engine_that_answered(trace: list[TraceRequest]) -> None:
     """A named simulated engine answers its name as `system_fingerprint` in the streamed usage
-    chunk; the record keeps it as the worker (unnamed engines, as vLLM, leave it unset)."""
+    chunk, with its timing; the record keeps the worker and splits the TTFT (unnamed engines,
+    as vLLM, send neither)."""
     few = [r for r in trace if r.turn == 0][:3]
     with SimEngineThread(EngineConfig(model=MODEL, speed=2.0), name="sim-7") as named:
         recs = _run(few, LoadConfig(url=named.url, model=MODEL, time_scale=None, concurrency=3))
     assert [r.worker for r in recs] == ["sim-7"] * len(few)
+    # ...and where its TTFT went: the parts are real intervals that add up to the TTFT.
+    for r in recs:
+        parts = (r.forward_s, r.queue_s, r.prefill_s, r.return_s)
+        assert all(p is not None and p >= 0 for p in parts), parts
+        assert r.prefill_s and r.prefill_s > 0
+        assert r.ttft is not None and abs(sum(p or 0.0 for p in parts) - r.ttft) < 1e-6
     with SimEngineThread(EngineConfig(model=MODEL, speed=2.0)) as unnamed:
         recs = _run(few, LoadConfig(url=unnamed.url, model=MODEL, time_scale=None, concurrency=3))
     assert all(r.ok for r in recs) and [r.worker for r in recs] == [None] * len(few)
+    assert all(r.forward_s is None and r.return_s is None for r in recs)

@@ -27,9 +27,11 @@ class RequestRecord:
     error: str | None = None
     worker: str | None = None  # from a response header naming the worker, when a router sets one
     # Where the TTFT went, when a named simulated engine reports its timing (seconds): from the
-    # send to the engine's arrival (the router's forward hop), waiting for admission, the
-    # prefill step(s), and from the engine's first token to the client's (the way back).
+    # send to the engine's receipt of the headers (the router's forward hop), the engine
+    # reading and tokenizing the body, waiting for admission, the prefill step(s), and from
+    # the engine's first token to the client's (the way back).
     forward_s: float | None = None
+    parse_s: float | None = None
     queue_s: float | None = None
     prefill_s: float | None = None
     return_s: float | None = None

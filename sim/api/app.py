@@ -82,10 +82,13 @@ def build_app(
         return JSONResponse({"object": "list", "data": _model_cards(cfg, created, served_root)})
 
     async def completions(request: Request) -> Response:
-        return await gen.completion(parse_completion(await _json(request), cfg, engine.tokenizer))
+        received = time.monotonic()
+        parsed = parse_completion(await _json(request), cfg, engine.tokenizer)
+        return await gen.completion(parsed, received)
 
     async def chat(request: Request) -> Response:
-        return await gen.chat(parse_chat(await _json(request), cfg, engine.tokenizer))
+        received = time.monotonic()
+        return await gen.chat(parse_chat(await _json(request), cfg, engine.tokenizer), received)
 
     async def render_completions(request: Request) -> Response:
         req = parse_completion(await _json(request), cfg, engine.tokenizer)

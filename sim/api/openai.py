@@ -59,11 +59,13 @@ def _compact(obj: Any) -> Any:
     return obj
 
 
-def engine_timing(handle: RequestHandle) -> dict[str, float | None]:
-    """When the engine received, admitted and first answered a request (CLOCK_MONOTONIC
-    seconds, the clock every process on the host shares), so a client on the same host can
-    split its TTFT into the hop to the engine, the queue, the prefill and the hop back."""
+def engine_timing(handle: RequestHandle, received: float | None) -> dict[str, float | None]:
+    """When the engine received a request's headers, queued it (after reading and tokenizing
+    it), admitted it and first answered it (CLOCK_MONOTONIC seconds, the clock every process
+    on the host shares), so a client on the same host can split its TTFT into the hop to the
+    engine, the engine's parsing, the queue, the prefill and the hop back."""
     return {
+        "received": received,
         "arrival": handle.arrival,
         "admitted": handle.admitted_at,
         "first_token": handle.first_token_at,
@@ -146,12 +148,12 @@ class Generation:
         return base, handles, fail_mode
 
     # ---- completions ------------------------------------------------------------------
-    async def completion(self, req: ParsedRequest) -> Response:
+    async def completion(self, req: ParsedRequest, received: float | None = None) -> Response:
         """Answer /v1/completions (one choice per prompt), streaming or not."""
         rid, handles, fail_mode = self._start(req, "cmpl")
         created = int(time.time())
         if req.stream:
-            return self._stream(req, rid, created, handles, fail_mode, chat=False)
+            return self._stream(req, rid, created, handles, fail_mode, False, received)
         results = await asyncio.gather(*(self._collect(h, fail_mode) for h in handles))
         choices = []
         for i, r in enumerate(results):
@@ -192,12 +194,12 @@ class Generation:
         return JSONResponse(body)
 
     # ---- chat ---------------------------------------------------------------------------
-    async def chat(self, req: ParsedRequest) -> Response:
+    async def chat(self, req: ParsedRequest, received: float | None = None) -> Response:
         """Answer /v1/chat/completions, streaming or not."""
         rid, handles, fail_mode = self._start(req, "chatcmpl")
         created = int(time.time())
         if req.stream:
-            return self._stream(req, rid, created, handles, fail_mode, chat=True)
+            return self._stream(req, rid, created, handles, fail_mode, True, received)
         r = await self._collect(handles[0], fail_mode)
         body = {
             "id": rid,
@@ -245,6 +247,7 @@ class Generation:
         handles: list[RequestHandle],
         fail_mode: str | None,
         chat: bool,
+        received: float | None,
     ) -> StreamingResponse:
         obj = "chat.completion.chunk" if chat else "text_completion"
         head = {"id": rid, "object": obj, "created": created, "model": req.model}
@@ -311,7 +314,7 @@ class Generation:
                         # A named engine is the bench's instrument, not a vLLM stand-in: it
                         # also says where its part of the request's time went.
                         last["system_fingerprint"] = self.name
-                        last["kvroute_engine_timing"] = engine_timing(handles[0])
+                        last["kvroute_engine_timing"] = engine_timing(handles[0], received)
                     yield _sse(last)
                 yield "data: [DONE]\n\n"
             finally:

@@ -114,7 +114,7 @@ def test_records_name_the_engine_that_answered(trace: list[TraceRequest]) -> Non
     assert [r.worker for r in recs] == ["sim-7"] * len(few)
     # ...and where its TTFT went: the parts are real intervals that add up to the TTFT.
     for r in recs:
-        parts = (r.forward_s, r.queue_s, r.prefill_s, r.return_s)
+        parts = (r.forward_s, r.parse_s, r.queue_s, r.prefill_s, r.return_s)
         assert all(p is not None and p >= 0 for p in parts), parts
         assert r.prefill_s and r.prefill_s > 0
         assert r.ttft is not None and abs(sum(p or 0.0 for p in parts) - r.ttft) < 1e-6

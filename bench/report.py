@@ -6,6 +6,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from bench.stats import TTFT_PARTS
+
 
 def fmt(x: Any, nd: int = 3, pct: bool = False) -> str:
     """A table cell: '-' for missing, percentages with one decimal."""
@@ -109,6 +111,7 @@ def routing_markdown(result: dict[str, Any]) -> str:
         "",
         markdown_table(headers, rows),
     ]
+    lines += _ttft_parts_lines(result)
     notes = list(result.get("notes") or [])
     loads = [x for r in result["routers"] for x in r.get("loadavg_1m") or []]
     if loads:
@@ -121,6 +124,32 @@ def routing_markdown(result: dict[str, Any]) -> str:
         lines += ["", *[f"- {n}" for n in notes]]
     lines += ["", f"Command: `{result.get('command', '')}`", ""]
     return "\n".join(lines)
+
+
+def _ttft_parts_lines(result: dict[str, Any]) -> list[str]:
+    """Where each router's requests spent their time before the first token (medians), when
+    the engines reported their timing; nothing otherwise."""
+    runs = [r for r in result["routers"] if r.get("summary", {}).get("ttft_parts_p50")]
+    if not runs:
+        return []
+    heads = ["router", "to the engine", "engine parses", "queued", "prefill", "back to client"]
+    rows = [
+        [r["label"], *(_ms_cell(r["summary"]["ttft_parts_p50"].get(k)) for k in TTFT_PARTS)]
+        for r in runs
+    ]
+    return [
+        "",
+        "Where the time to first token went (median of each part, ms; the engines stamp when "
+        "they receive a request's headers, queue it, admit it and emit its first token). "
+        '"To the engine" is the router\'s forward hop; "back to client" its relay of the '
+        "first token.",
+        "",
+        markdown_table(heads, rows),
+    ]
+
+
+def _ms_cell(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1000:.2f}"
 
 
 def routing_plot(result: dict[str, Any], path: str | Path) -> None:

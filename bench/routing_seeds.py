@@ -42,7 +42,7 @@ from typing import Any
 
 from bench.report import fmt, markdown_table, routing_markdown, routing_plot
 from bench.routing_bench import build_config, parse_args, run_profile
-from bench.stats import paired_bootstrap, percentile
+from bench.stats import TTFT_PARTS, paired_bootstrap, percentile
 
 ORACLE = "oracle"
 
@@ -82,6 +82,7 @@ def cache_split(
     minus other) where they did measure what the routers themselves cost; where they did not,
     what their routing decisions did."""
     same: list[float] = []
+    same_parts: dict[str, list[float]] = {k: [] for k in TTFT_PARTS}
     different: list[float] = []
     more = 0
     for ref, other in seeds:
@@ -92,6 +93,9 @@ def cache_split(
             d = float(a["ttft"]) - float(b["ttft"])
             if (a.get("cached_tokens") or 0) == (b.get("cached_tokens") or 0):
                 same.append(d)
+                if a.get("return_s") is not None and b.get("return_s") is not None:
+                    for k, diffs in same_parts.items():
+                        diffs.append(float(a[k]) - float(b[k]))
             else:
                 different.append(d)
                 more += (a.get("cached_tokens") or 0) > (b.get("cached_tokens") or 0)
@@ -100,7 +104,12 @@ def cache_split(
         return statistics.median(xs) if xs else None
 
     return {
-        "same_cache": {"requests": len(same), "median_diff_s": median(same)},
+        "same_cache": {
+            "requests": len(same),
+            "median_diff_s": median(same),
+            # where the engines reported their timing: the median difference of each part
+            "parts_median_diff_s": {k: median(v) for k, v in same_parts.items() if v},
+        },
         "different_cache": {
             "requests": len(different),
             "reference_more_cached": more,
@@ -318,7 +327,7 @@ def _cache_split_lines(paired: list[dict[str, Any]], ref: str) -> list[str]:
         )
     if not rows:
         return []
-    return [
+    lines = [
         f"The same requests paired by id (TTFT {ref} minus other, median): where the engines "
         "reported equal cached tokens under both routers the difference is what the routers "
         "themselves cost; where not, what their choices did.",
@@ -333,6 +342,25 @@ def _cache_split_lines(paired: list[dict[str, Any]], ref: str) -> list[str]:
         ),
         "",
     ]
+    parts = [
+        (p["other"], p["by_cache"]["same_cache"].get("parts_median_diff_s") or {})
+        for p in paired
+        if p.get("by_cache")
+    ]
+    parts = [(other, d) for other, d in parts if d]
+    if parts:
+        lines += [
+            "Those equal-cache requests part by part (median of the paired differences; the "
+            "engines stamp when they receive a request's headers, queue it, admit it and emit "
+            "its first token): the forward hop and the relay back are the router's own work.",
+            "",
+            markdown_table(
+                ["other router", "to the engine", "engine parses", "queued", "prefill", "back"],
+                [[other, *(_ms(d.get(k)) for k in TTFT_PARTS)] for other, d in parts],
+            ),
+            "",
+        ]
+    return lines
 
 
 def _ms(x: float | None) -> str:

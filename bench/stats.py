@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 
@@ -147,6 +147,9 @@ class Summary:
     goodput_req_per_s: float  # OK requests with TTFT <= SLO, per second
     slo_attainment: float  # fraction of all requests that were OK and met the SLO
     error_kinds: dict[str, int]
+    # Median of each TTFT part (seconds; TTFT_PARTS), over the requests whose engine reported
+    # its timing; empty when none did.
+    ttft_parts_p50: dict[str, float] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -154,6 +157,18 @@ class Summary:
 
 def _r(x: float | None, nd: int = 4) -> float | None:
     return None if x is None else round(x, nd)
+
+
+# The parts a TTFT splits into when the engine reports its timing (RequestRecord fields).
+TTFT_PARTS = ("forward_s", "parse_s", "queue_s", "prefill_s", "return_s")
+
+
+def ttft_parts_p50(records: Sequence[RequestRecord]) -> dict[str, float]:
+    """Median of each TTFT part over the records that have them all (empty if none do)."""
+    split = [r for r in records if r.ok and r.return_s is not None]
+    if not split:
+        return {}
+    return {k: _r(percentile([getattr(r, k) for r in split], 50), 5) or 0.0 for k in TTFT_PARTS}
 
 
 def summarize(records: Sequence[RequestRecord], slo_ttft_s: float) -> Summary:
@@ -195,4 +210,5 @@ def summarize(records: Sequence[RequestRecord], slo_ttft_s: float) -> Summary:
         goodput_req_per_s=round(per_s(good), 3),
         slo_attainment=round(good / len(records), 4) if records else 0.0,
         error_kinds=kinds,
+        ttft_parts_p50=ttft_parts_p50(ok),
     )

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from bench.routing_seeds import (
+    _cache_split_lines,
     _split_args,
     aggregate,
     cache_split,
@@ -192,8 +193,29 @@ def test_cache_split_separates_router_cost_from_routing_choices() -> None:
     assert same["median_diff_s"] == pytest.approx(0.001)  # diffs 0.001, 0.003, 0.0005
     assert diff["requests"] == 2 and diff["reference_more_cached"] == 1
     assert diff["median_diff_s"] == pytest.approx((-0.4 + 0.2) / 2)
+    assert same["parts_median_diff_s"] == {}  # no engine reported its timing
     empty = cache_split([({}, {})])
-    assert empty["same_cache"] == {"requests": 0, "median_diff_s": None}
+    assert empty["same_cache"] == {"requests": 0, "median_diff_s": None, "parts_median_diff_s": {}}
+
+
+def _timed(ttft: float, forward: float, queue: float) -> dict[str, float | int]:
+    parts = {"forward_s": forward, "parse_s": 0.002, "queue_s": queue, "prefill_s": 0.05}
+    return {**_rec(ttft, 10), **parts, "return_s": ttft - sum(parts.values())}
+
+
+def test_cache_split_splits_equal_cache_differences_into_parts() -> None:
+    """Where the engines reported their timing, each part's paired difference is kept: a router
+    that forwards 4 ms slower shows it in the forward hop, not in the queue."""
+    ref = {"a": _timed(0.100, 0.006, 0.010), "b": _timed(0.200, 0.008, 0.030), "c": _rec(0.1, 10)}
+    other = {"a": _timed(0.096, 0.002, 0.010), "b": _timed(0.196, 0.004, 0.030), "c": _rec(0.1, 10)}
+    parts = cache_split([(ref, other)])["same_cache"]["parts_median_diff_s"]
+    assert parts["forward_s"] == pytest.approx(0.004)
+    assert parts["queue_s"] == pytest.approx(0.0) and parts["parse_s"] == pytest.approx(0.0)
+    assert parts["return_s"] == pytest.approx(0.0)
+    lines = "\n".join(
+        _cache_split_lines([{"other": "smg", "by_cache": cache_split([(ref, other)])}], "kvroute")
+    )
+    assert "| smg | +4.00 ms | +0.00 ms | +0.00 ms | +0.00 ms | +0.00 ms |" in lines
 
 
 def test_report_only_aggregates_the_saved_seeds_again(tmp_path: Path) -> None:

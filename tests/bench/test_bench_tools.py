@@ -96,6 +96,27 @@ def test_summary_counts_goodput_and_errors() -> None:
     assert s.error_kinds == {"http 503": 1}
     empty = summarize([], 1.0)
     assert empty.requests == 0 and empty.req_per_s == 0.0 and math.isfinite(empty.duration_s)
+    assert s.ttft_parts_p50 == {}  # no engine reported its timing
+
+
+def test_ttft_parts_are_medians_and_reach_the_report() -> None:
+    recs = []
+    for i, forward in enumerate((0.001, 0.003, 0.010)):
+        r = _rec(i, 0.1 + forward)
+        r.forward_s, r.parse_s, r.queue_s, r.prefill_s = forward, 0.002, 0.0, 0.09
+        r.return_s = r.ttft - (forward + 0.092) if r.ttft else None
+        recs.append(r)
+    recs.append(_rec(3, 9.0))  # no timing: left out of the parts, not counted as zero
+    parts = summarize(recs, 1.0).ttft_parts_p50
+    assert parts["forward_s"] == pytest.approx(0.003) and parts["prefill_s"] == pytest.approx(0.09)
+    assert parts["return_s"] == pytest.approx(0.008)
+    res = _result("dense")
+    kv = res["routers"][1]  # type: ignore[index]
+    kv["summary"] = {**kv["summary"], "ttft_parts_p50": parts}
+    md = routing_markdown(res)
+    assert "| kvroute | 3.00 | 2.00 | 0.00 | 90.00 | 8.00 |" in md
+    assert "| oracle |" in md.split("Where the time")[0]
+    assert "| oracle |" not in md.split("Where the time")[1]  # it reported no parts
 
 
 _METRICS = """# HELP vllm:prefix_cache_queries Prefix cache queries (tokens).

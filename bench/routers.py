@@ -83,6 +83,13 @@ ROUTERS: dict[str, RouterSpec] = {
             "ttft",
             bridge_sched="nice",
         ),
+        RouterSpec(
+            "kvroute-chat-upstream",
+            "kvroute (default, chat requests sent as chat: the engines tokenize them again)",
+            "kvroute",
+            "ttft",
+            (("KVROUTE_MODELS__KVROUTE-SIM__SEND_TOKEN_IDS", "false"),),
+        ),
         RouterSpec("kvroute-session", "kvroute session affinity", "kvroute", "session"),
         RouterSpec("kvroute-least-load", "kvroute least load", "kvroute", "least_load"),
         RouterSpec("kvroute-round-robin", "kvroute round robin", "kvroute", "round_robin"),

@@ -53,6 +53,14 @@ class ModelSpec:
     )
     chat_template: str | None = _f(None, "optional .jinja file overriding the model's template")
     alignment: int | None = _f(None, "override the hit alignment (tokens) for this model")
+    send_token_ids: bool = _f(
+        False,
+        "send plain chat requests (no tools, structured output or logprobs; max_tokens given) "
+        "to the engine as /v1/completions of the router's token ids, converting the answer "
+        "back to chat format, so the engine does not render and tokenize the prompt again; "
+        "only with a tokenizer that gives the engine's exact ids (check it with python -m "
+        "router.tokenize.check)",
+    )
 
 
 @dataclass(frozen=True, slots=True)

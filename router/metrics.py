@@ -61,6 +61,14 @@ class RouterMetrics:
             buckets=_DECISION,
             registry=r,
         )
+        self.sent_as_ids = Counter(
+            "kvroute_chat_sent_as_token_ids",
+            "Chat requests for a model with send_token_ids, by whether they went to the engine "
+            "as completions of token ids (yes) or kept the chat endpoint (not_plain: fields "
+            "only a chat request has; no_exact_ids: no exact token ids)",
+            ["result"],
+            registry=r,
+        )
         self.token_source = Counter(
             "kvroute_prompt_ids",
             "Requests by where their token ids came from (none = routed without ids)",

@@ -18,6 +18,7 @@ from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
+from router.chat_as_completion import ChatStream, chat_response, completion_body
 from router.config import RouterConfig
 from router.decisions import DecisionLog, DecisionRecord
 from router.errors import (
@@ -70,6 +71,18 @@ _RESPONSE_DROP = frozenset(
     }
 )
 _JSON = [(b"content-type", b"application/json")]
+
+
+@dataclass(frozen=True, slots=True)
+class _Outgoing:
+    """What goes to the engine: the path and body, whether the router added stream usage the
+    client did not ask for, and whether a completion answer must be turned into a chat one
+    (`chat_as_completion`)."""
+
+    path: str
+    body: bytes
+    inject_usage: bool
+    as_chat: bool = False
 
 
 @dataclass(slots=True)
@@ -235,8 +248,10 @@ class Proxy:
                 f"no healthy worker can serve model `{route.name}` right now",
                 retry_after=self._cfg.timeouts.retry_after_s,
             )
-        # a stream's new turn is encoded after dispatch (`_complete`), off the critical path
-        prompt = await routing.prompt(req, route, partial=req.stream)
+        # A stream's new turn is encoded after dispatch (`_complete`), off the critical path,
+        # unless the engine is to be sent the whole ids.
+        send_ids = req.endpoint == CHAT and routing.sends_token_ids(route)
+        prompt = await routing.prompt(req, route, partial=req.stream and not send_ids)
         reuse = routing.reuse(prompt)
         decision = routing.decide(req, route, prompt, reuse)
         self._seq += 1
@@ -250,23 +265,44 @@ class Proxy:
             decision,
         )
         inject_usage = req.stream and not req.wants_usage and path in (CHAT, COMPLETIONS)
-        body = with_stream_usage(req.body, req.raw) if inject_usage else req.raw
+        out = self._as_completion(req, prompt, inject_usage) if send_ids else None
+        if out is None:
+            body = with_stream_usage(req.body, req.raw) if inject_usage else req.raw
+            out = _Outgoing(req.endpoint, body, inject_usage)
         if inject_usage:
             self._metrics.usage_injected.inc()
         self._budget.on_request()
         started = time.perf_counter()
         try:
-            return await self._forward(req, prompt, record, body, inject_usage, send)
+            return await self._forward(req, prompt, record, out, send)
         finally:
             record.duration_s = time.perf_counter() - started
+
+    def _as_completion(
+        self, req: ClientRequest, prompt: Prompt, inject_usage: bool
+    ) -> _Outgoing | None:
+        """The chat request as a completion of its exact token ids, when it can be sent so."""
+        ids = prompt.token_ids
+        if ids is None or prompt.partial is not None or prompt.source not in ("local", "render"):
+            self._metrics.child(self._metrics.sent_as_ids, "no_exact_ids").inc()
+            return None
+        body = req.body
+        if inject_usage:
+            body = {**body, "stream_options": {"include_usage": True,
+                                               "continuous_usage_stats": False}}  # fmt: skip
+        converted = completion_body(body, ids)
+        if converted is None:
+            self._metrics.child(self._metrics.sent_as_ids, "not_plain").inc()
+            return None
+        self._metrics.child(self._metrics.sent_as_ids, "yes").inc()
+        return _Outgoing(COMPLETIONS, converted, inject_usage, as_chat=True)
 
     async def _forward(
         self,
         req: ClientRequest,
         prompt: Prompt,
         record: DecisionRecord,
-        body: bytes,
-        inject_usage: bool,
+        out: _Outgoing,
         send: Send,
     ) -> int:
         tried: list[str] = []
@@ -277,9 +313,7 @@ class Proxy:
             worker = cand.worker
             tried.append(worker.name)
             record.attempts.append(worker.name)
-            result = await self._attempt(
-                worker, cand, req, prompt, record, body, inject_usage, send
-            )
+            result = await self._attempt(worker, cand, req, prompt, record, out, send)
             if isinstance(result, int):
                 return result
             failure = result
@@ -322,8 +356,7 @@ class Proxy:
         req: ClientRequest,
         prompt: Prompt,
         record: DecisionRecord,
-        body: bytes,
-        inject_usage: bool,
+        out: _Outgoing,
         send: Send,
     ) -> int | _Failure:
         """One try on one worker: an HTTP status once the client got an answer, or a failure."""
@@ -348,7 +381,7 @@ class Proxy:
         verdict = False
         try:
             try:
-                resp = await self._upstream.send("POST", worker.url + req.endpoint, headers, body)
+                resp = await self._upstream.send("POST", worker.url + out.path, headers, out.body)
                 if resp.status == 429 or retryable_status(resp.status):
                     data = await resp.read()
                     resp.release()
@@ -396,15 +429,17 @@ class Proxy:
                 ]
             if req.stream and resp.status == 200:
                 usage = await self._stream(
-                    resp, first, out_headers, inject_usage, send, record, worker.load.steps
+                    resp, first, out_headers, out, send, record, worker.load.steps
                 )
             else:
                 resp.release()
                 await send(
                     {"type": "http.response.start", "status": resp.status, "headers": out_headers}
                 )
-                await send({"type": "http.response.body", "body": first})
                 usage = usage_from_json(first) if resp.status == 200 else None
+                if out.as_chat and resp.status == 200:
+                    first = chat_response(first)
+                await send({"type": "http.response.body", "body": first})
             if resp.status == 200:
                 self._verify(worker, predicted, req, prompt, record, usage)
             return resp.status
@@ -442,14 +477,15 @@ class Proxy:
         resp: UpstreamResponse,
         first: bytes,
         headers: list[tuple[bytes, bytes]],
-        inject_usage: bool,
+        outgoing: _Outgoing,
         send: Send,
         record: DecisionRecord,
         steps: StepClock,
     ) -> Usage | None:
         """Relay the stream; each chunk's arrival also ticks the worker's step clock (an
         engine step's end sends every running stream a chunk)."""
-        sse = SseFilter(strip_usage_chunk=inject_usage)
+        sse = SseFilter(strip_usage_chunk=outgoing.inject_usage)
+        chat = ChatStream() if outgoing.as_chat else None
         clock = self._clock
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         chunk = first
@@ -457,6 +493,8 @@ class Proxy:
         try:
             while chunk:
                 out = sse.feed(chunk)
+                if chat is not None:
+                    out = chat.convert(out)
                 if resp.at_end:
                     break  # the last piece: sent below with the end of the body, in one write
                 if out:
@@ -471,6 +509,8 @@ class Proxy:
             tail = sse.flush()
             if tail and not tail.endswith(b"\n\n"):
                 tail = b""  # a truncated event would corrupt the error event after it
+            if chat is not None:
+                tail = chat.convert(tail)
             await send(
                 {
                     "type": "http.response.body",
@@ -480,7 +520,10 @@ class Proxy:
             )
             return None
         resp.release()
-        await send({"type": "http.response.body", "body": out + sse.flush(), "more_body": False})
+        rest = sse.flush()
+        if chat is not None:
+            rest = chat.convert(rest)
+        await send({"type": "http.response.body", "body": out + rest, "more_body": False})
         return sse.usage
 
     def _verify(

@@ -141,6 +141,11 @@ class Routing:
             if w.takes_requests(now) and w.name not in exclude
         ]
 
+    def sends_token_ids(self, route: ModelRoute) -> bool:
+        """Whether the model's chat requests go to the engine as completions of token ids."""
+        spec = self._models.get(route.base)
+        return spec is not None and spec.send_token_ids
+
     def any_eligible(self, route: ModelRoute) -> bool:
         now = self._clock()
         return any(w.takes_requests(now) for w in self.registry.serving(route.name))

@@ -227,7 +227,9 @@ def router_config(
             w["topic"] = m.topic
         w["model"] = model
         workers.append(w)
-    spec: dict[str, Any] = {"tokenizer": str(MODEL_DIR)}
+    # The router's tokenizer is the engines' own model directory, so its ids are exact and
+    # plain chat requests can reach the engines as completions of those ids.
+    spec: dict[str, Any] = {"tokenizer": str(MODEL_DIR), "send_token_ids": True}
     if alignment is not None:
         spec["alignment"] = alignment
     return {"workers": workers, "models": {model: spec}}

@@ -308,3 +308,29 @@ def test_bridges_beside_the_router_only_when_the_router_has_cpus_of_its_own() ->
         argv = ["--smoke", "--profile", "dense", "--router-cpus", str(mine[-1])]
         assert build_config(parse_args(argv)).bridges == "router"
         assert build_config(parse_args([*argv, "--bridges", "fleet"])).bridges == "fleet"
+
+
+def test_the_chat_upstream_variant_turns_token_ids_off_in_the_sim_fleets_config(
+    tmp_path: Path,
+) -> None:
+    """The bench's kvroute runs with the config `kvroute sim fleet` writes (token ids sent to
+    the engines); `kvroute-chat-upstream` overrides that through its environment alone."""
+    import yaml
+
+    from bench.routers import ROUTERS
+    from router.config_load import load_config
+    from sim.fleet import router_config
+
+    config = router_config([], "kvroute-sim", 16, via_bridge=False)
+    config["workers"] = [{"name": "a", "url": "http://127.0.0.1:1", "model": "kvroute-sim"}]
+    path = tmp_path / "fleet.yaml"
+    path.write_text(yaml.safe_dump(config))
+    sends = {
+        name: load_config(str(path), env=dict(ROUTERS[name].env)).models["kvroute-sim"]
+        for name in ("kvroute", "kvroute-chat-upstream")
+    }
+    assert {k: v.send_token_ids for k, v in sends.items()} == {
+        "kvroute": True,
+        "kvroute-chat-upstream": False,
+    }
+    assert sends["kvroute-chat-upstream"].tokenizer == sends["kvroute"].tokenizer

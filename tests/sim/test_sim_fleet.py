@@ -94,6 +94,8 @@ def test_fleet_starts_serves_and_stops_cleanly(tmp_path: Path, sig: signal.Signa
         assert [w["url"] for w in config["workers"]] == [w["url"] for w in workers]
         assert config["models"]["kvroute-sim"]["tokenizer"].endswith("sim/model")
         assert config["models"]["kvroute-sim"]["alignment"] == 16
+        # the router's tokenizer is the engines' own: plain chats go to them as token ids
+        assert config["models"]["kvroute-sim"]["send_token_ids"] is True
         assert json.loads((tmp_path / "info.json").read_text())["workers"] == workers
         for w in workers:
             assert httpx.get(f"{w['url']}/health", timeout=5).status_code == 200

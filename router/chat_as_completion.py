@@ -79,6 +79,15 @@ def completion_body(body: dict[str, Any], ids: Sequence[int]) -> bytes | None:
     return _encoder.encode(out)
 
 
+def _is_completion(obj: Any) -> bool:
+    """A completion answer or chunk (vLLM names the object, but a chunk serialized without
+    its unset fields need not: its `choices` tell), not an error."""
+    if not isinstance(obj, dict) or "error" in obj:
+        return False
+    kind = obj.get("object")
+    return kind == "text_completion" or (kind is None and isinstance(obj.get("choices"), list))
+
+
 def _chat_id(completion_id: Any) -> Any:
     if isinstance(completion_id, str) and completion_id.startswith("cmpl-"):
         return "chatcmpl-" + completion_id[5:]
@@ -92,7 +101,7 @@ def chat_response(body: bytes) -> bytes:
         obj = _decoder.decode(body)
     except msgspec.DecodeError:
         return body
-    if not isinstance(obj, dict) or obj.get("object") != "text_completion":
+    if not _is_completion(obj):
         return body
     choices = []
     for c in obj.get("choices") or []:
@@ -154,16 +163,12 @@ class ChatStream:
             obj = _decoder.decode(payload)
         except msgspec.DecodeError:
             return event + b"\n\n"
-        if not isinstance(obj, dict) or obj.get("object") != "text_completion":
+        if not _is_completion(obj):
             return event + b"\n\n"
-        head = {
-            "id": _chat_id(obj.get("id")),
-            "object": "chat.completion.chunk",
-            "created": obj.get("created"),
-            "model": obj.get("model"),
-        }
-        if obj.get("system_fingerprint") is not None:
-            head["system_fingerprint"] = obj["system_fingerprint"]
+        head = {"id": _chat_id(obj.get("id")), "object": "chat.completion.chunk"}
+        for k in ("created", "model", "system_fingerprint"):
+            if obj.get(k) is not None:
+                head[k] = obj[k]
         parts: list[bytes] = []
         choices = obj.get("choices") or []
         if choices and not self._started:

@@ -143,6 +143,10 @@ def test_a_completion_stream_in_chat_shape() -> None:
     assert usage["choices"] == [] and usage["usage"] == {"prompt_tokens": 2}
     assert error == {"error": {"message": "boom"}} and done == "[DONE]"
     assert stream.convert(b"") == b""
+    # a chunk serialized without its unset fields has no `object`: its choices tell
+    bare = ChatStream().convert(_event({"id": "cmpl-y", "choices": [{"index": 0, "text": "z"}]}))
+    assert [c["object"] for c in _chunks(bare)] == ["chat.completion.chunk"] * 2
+    assert chat_response(b'{"error": {"message": "no"}}') == b'{"error": {"message": "no"}}'
 
 
 def _send_ids(rig_router: dict[str, Any] | None = None) -> dict[str, Any]:

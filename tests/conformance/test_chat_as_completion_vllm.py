@@ -1,0 +1,139 @@
+"""`send_token_ids` against vLLM's own request and response classes (vLLM 0.33, CPU install).
+
+A chat request and the completion the router sends instead must give the engine the same
+sampling parameters, as vLLM's protocol classes compute them; completion answers that vLLM's
+classes produce, converted by the router, must be valid chat answers to vLLM's classes. (No
+vLLM server runs here: it needs model weights; the classes are the code that decides.)"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from typing import Any
+
+from router.chat_as_completion import ChatStream, chat_response, completion_body
+from tests.sim.vllm_env import vllm_python
+
+_SCRIPT = r"""
+import json, sys
+from vllm.entrypoints.openai.chat_completion.protocol import (
+    ChatCompletionRequest, ChatCompletionResponse, ChatCompletionStreamResponse)
+from vllm.entrypoints.openai.completion.protocol import (
+    CompletionRequest, CompletionResponse, CompletionResponseChoice,
+    CompletionResponseStreamChoice, CompletionStreamResponse)
+from vllm.entrypoints.serve.engine.protocol import UsageInfo
+
+job = json.load(sys.stdin)
+out = {}
+if job["mode"] == "requests":
+    diffs = []
+    for chat_body, completion in job["pairs"]:
+        chat = ChatCompletionRequest.model_validate(chat_body)
+        comp = CompletionRequest.model_validate(completion)
+        limit = chat.max_completion_tokens or chat.max_tokens
+        a = chat.to_sampling_params(limit, {})
+        b = comp.to_sampling_params(comp.max_tokens, {})
+        fields = [f for f in a.__struct_fields__ if getattr(a, f) != getattr(b, f)]
+        diffs.append({"fields": fields, "extra": sorted((comp.model_extra or {}).keys()),
+                      "prompt": comp.prompt, "salt": comp.cache_salt,
+                      "stream": comp.stream, "usage": bool(comp.stream_options and
+                                                           comp.stream_options.include_usage)})
+    out["diffs"] = diffs
+elif job["mode"] == "responses":
+    usage = UsageInfo(prompt_tokens=3, completion_tokens=2, total_tokens=5)
+    whole = CompletionResponse(model="m", choices=[CompletionResponseChoice(
+        index=0, text=" a b", finish_reason="length")], usage=usage, system_fingerprint="w1")
+    # as vLLM's completion stream makes them (serving.py: object set, unset fields dropped)
+    chunks = [CompletionStreamResponse(id="cmpl-1", created=1, model="m", object="text_completion",
+        choices=[CompletionResponseStreamChoice(index=0, text=t, finish_reason=f,
+                                                stop_reason=s)])
+        for t, f, s in ((" a", None, None), (" b", None, None), ("", "stop", "</s>"))]
+    chunks.append(CompletionStreamResponse(id="cmpl-1", created=1, model="m", choices=[],
+                                           usage=usage))
+    out["whole"] = whole.model_dump_json()
+    out["stream"] = "".join(f"data: {c.model_dump_json(exclude_unset=True)}\n\n" for c in chunks)
+    out["stream"] += "data: [DONE]\n\n"
+else:
+    ChatCompletionResponse.model_validate_json(job["whole"])
+    out["chunks"] = [ChatCompletionStreamResponse.model_validate_json(c).model_dump()
+                     for c in job["chunks"]]
+json.dump(out, sys.stdout)
+"""
+
+
+def _vllm(job: dict[str, Any]) -> dict[str, Any]:
+    done = subprocess.run(
+        [vllm_python(), "-c", _SCRIPT],
+        input=json.dumps(job),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out: dict[str, Any] = json.loads(done.stdout)
+    return out
+
+
+CHAT = [{"role": "user", "content": "hi"}]
+PLAIN_BODIES = [
+    {"model": "m", "messages": CHAT, "max_tokens": 9},
+    {
+        "model": "m",
+        "messages": CHAT,
+        "max_completion_tokens": 33,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": 20,
+        "min_p": 0.05,
+        "seed": 7,
+        "stop": ["\n\n", "END"],
+        "stop_token_ids": [2],
+        "presence_penalty": 0.5,
+        "frequency_penalty": 0.25,
+        "repetition_penalty": 1.1,
+        "ignore_eos": True,
+        "min_tokens": 3,
+        "skip_special_tokens": False,
+        "spaces_between_special_tokens": False,
+        "include_stop_str_in_output": True,
+        "cache_salt": "tenant-a",
+        "user": "u1",
+        "n": 1,
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": False},
+        "add_generation_prompt": True,
+    },
+]
+
+
+def test_the_completion_asks_the_engine_for_what_the_chat_request_did() -> None:
+    ids = [101, 7, 8, 9]
+    pairs = []
+    for body in PLAIN_BODIES:
+        converted = completion_body(body, ids)
+        assert converted is not None
+        pairs.append([body, json.loads(converted)])
+    diffs = _vllm({"mode": "requests", "pairs": pairs})["diffs"]
+    for body, d in zip(PLAIN_BODIES, diffs, strict=True):
+        assert d["fields"] == [], (body, d)  # every sampling parameter equal
+        assert d["extra"] == []  # no field vLLM's completions endpoint does not know
+        assert d["prompt"] == ids and d["salt"] == body.get("cache_salt")
+        assert d["stream"] == body.get("stream", False)
+    assert diffs[1]["usage"] is True
+
+
+def test_vllms_completion_answers_become_valid_chat_answers() -> None:
+    made = _vllm({"mode": "responses"})
+    whole = chat_response(made["whole"].encode())
+    stream = ChatStream().convert(made["stream"].encode())
+    events = [e[6:] for e in stream.decode().split("\n\n") if e.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    checked = _vllm({"mode": "validate", "whole": whole.decode(), "chunks": events[:-1]})
+    chunks = checked["chunks"]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert text == " a b"
+    assert chunks[-2]["choices"][0]["finish_reason"] == "stop"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["prompt_tokens"] == 3
+    assert json.loads(whole)["choices"][0]["message"]["content"] == " a b"

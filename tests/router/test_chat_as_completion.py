@@ -16,6 +16,7 @@ import pytest
 from router.chat_as_completion import ChatStream, chat_response, completion_body
 from sim.model import MODEL_DIR
 from tests.router.sim_fleet import MODEL, SimRig, sim_fleet
+from tests.sim.test_sim_api import CHAT_MESSAGE
 
 PLAIN = {
     "model": "m",
@@ -80,15 +81,8 @@ def test_a_whole_completion_answer_in_chat_shape() -> None:
     assert chat["choices"] == [
         {
             "index": 0,
-            "message": {
-                "role": "assistant",
-                "content": " hello",
-                "refusal": None,
-                "annotations": None,
-                "audio": None,
-                "function_call": None,
-                "reasoning": None,
-            },
+            # every field of vLLM's chat message, unset but for the text
+            "message": {**dict.fromkeys(CHAT_MESSAGE), "role": "assistant", "content": " hello"},
             "logprobs": None,
             "finish_reason": "length",
             "stop_reason": None,

@@ -11,8 +11,9 @@ import json
 import subprocess
 from typing import Any
 
+from vllm_recording import vllm_python
+
 from router.chat_as_completion import ChatStream, chat_response, completion_body
-from tests.sim.vllm_env import vllm_python
 
 _SCRIPT = r"""
 import json, sys

@@ -89,15 +89,17 @@ def _content_of(chunk: dict[str, Any]) -> str:
 
 def _split_ttft(rec: RequestRecord, t0: float, timing: dict[str, Any]) -> None:
     """Fill the record's TTFT parts from an engine's timing (monotonic seconds; ``t0`` is
-    ``time.perf_counter()`` at the send, the same clock on Linux)."""
+    ``time.perf_counter()`` at the send, the same clock on Linux). The timing comes with the
+    last chunk, after the first content, so the TTFT is known."""
     marks = [timing.get(k) for k in ("received", "arrival", "admitted", "first_token")]
-    if not all(isinstance(m, float | int) for m in marks):
+    if rec.ttft is None or not all(isinstance(m, float | int) for m in marks):
         return
     received, arrival, admitted, first = (float(m) for m in marks)  # type: ignore[arg-type]
     rec.forward_s = received - t0
     rec.parse_s = arrival - received
     rec.queue_s = admitted - arrival
     rec.prefill_s = first - admitted
+    rec.return_s = t0 + rec.ttft - first
 
 
 async def send_one(
@@ -161,9 +163,6 @@ async def send_one(
                     details = usage.get("prompt_tokens_details") or {}
                     rec.cached_tokens = int(details.get("cached_tokens") or 0)
             rec.latency = time.perf_counter() - t0
-            if rec.ttft is not None and rec.forward_s is not None:
-                parts = (rec.forward_s, rec.parse_s, rec.queue_s, rec.prefill_s)
-                rec.return_s = rec.ttft - sum(p or 0.0 for p in parts)
             if rec.ttft is None and rec.error is None:
                 rec.error = "no content"
             if rec.output_tokens == 0:

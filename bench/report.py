@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.stats import TTFT_PARTS
+from bench.stats import TTFT_PART_LABELS, TTFT_PARTS
 
 
 def fmt(x: Any, nd: int = 3, pct: bool = False) -> str:
@@ -132,7 +132,7 @@ def _ttft_parts_lines(result: dict[str, Any]) -> list[str]:
     runs = [r for r in result["routers"] if r.get("summary", {}).get("ttft_parts_p50")]
     if not runs:
         return []
-    heads = ["router", "to the engine", "engine parses", "queued", "prefill", "back to client"]
+    heads = ["router", *TTFT_PART_LABELS]
     rows = [
         [r["label"], *(_ms_cell(r["summary"]["ttft_parts_p50"].get(k)) for k in TTFT_PARTS)]
         for r in runs

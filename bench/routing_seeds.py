@@ -42,7 +42,7 @@ from typing import Any
 
 from bench.report import fmt, markdown_table, routing_markdown, routing_plot
 from bench.routing_bench import build_config, parse_args, run_profile
-from bench.stats import TTFT_PARTS, paired_bootstrap, percentile
+from bench.stats import TTFT_PART_LABELS, TTFT_PARTS, paired_bootstrap, percentile
 
 ORACLE = "oracle"
 
@@ -355,7 +355,7 @@ def _cache_split_lines(paired: list[dict[str, Any]], ref: str) -> list[str]:
             "its first token): the forward hop and the relay back are the router's own work.",
             "",
             markdown_table(
-                ["other router", "to the engine", "engine parses", "queued", "prefill", "back"],
+                ["other router", *TTFT_PART_LABELS],
                 [[other, *(_ms(d.get(k)) for k in TTFT_PARTS)] for other, d in parts],
             ),
             "",

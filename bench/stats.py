@@ -161,6 +161,7 @@ def _r(x: float | None, nd: int = 4) -> float | None:
 
 # The parts a TTFT splits into when the engine reports its timing (RequestRecord fields).
 TTFT_PARTS = ("forward_s", "parse_s", "queue_s", "prefill_s", "return_s")
+TTFT_PART_LABELS = ("to the engine", "engine parses", "queued", "prefill", "back to client")
 
 
 def ttft_parts_p50(records: Sequence[RequestRecord]) -> dict[str, float]:

@@ -53,6 +53,8 @@ _SAME_MEANING = frozenset(
     }
 )
 
+# Chat fields the completion does not carry: replaced by the ids and max_tokens, or n (1).
+_REPLACED = frozenset({"messages", "add_generation_prompt", "max_completion_tokens", "n"})
 _UNSET = {"refusal": None, "annotations": None, "audio": None, "function_call": None,
           "reasoning": None}  # fmt: skip
 _encoder = msgspec.json.Encoder()
@@ -72,8 +74,7 @@ def completion_body(body: dict[str, Any], ids: Sequence[int]) -> bytes | None:
         limit = body.get("max_tokens")
     if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
         return None
-    out = {k: v for k, v in body.items() if k not in ("messages", "max_completion_tokens", "n")}
-    out.pop("add_generation_prompt", None)
+    out = {k: v for k, v in body.items() if k not in _REPLACED}
     out["max_tokens"] = limit
     out["prompt"] = ids if isinstance(ids, list) else list(ids)
     return _encoder.encode(out)

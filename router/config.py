@@ -271,6 +271,11 @@ class TokenizerConfig:
         "least this many characters is routed on the history's ids; the new text is encoded "
         "while the engine works (the decision waits for no encode); 0 = always encode first",
     )
+    remember_answers: bool = _f(
+        True,
+        "after a plain chat answer, encode the conversation with it into the prefix cache in "
+        "the background, so the next turn encodes only its new message before dispatch",
+    )
     cache_entries: int = _f(4096, "conversation prefixes whose ids are cached")
     render_timeout_s: float = _f(5.0, "timeout of one render-endpoint call")
 

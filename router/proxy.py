@@ -18,6 +18,7 @@ from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
+from router.chat_answer import AnswerTap, answer_of_response
 from router.chat_as_completion import ChatStream, chat_response, completion_body
 from router.config import RouterConfig
 from router.decisions import DecisionLog, DecisionRecord
@@ -169,6 +170,7 @@ class Proxy:
         self._max_body = cfg.limits.max_body_bytes
         self._show_headers = cfg.admin.response_headers
         self._ratelog = RateLimitedLog(log, interval_s=10.0)
+        self._remember_answers = cfg.tokenizer.remember_answers
 
     @property
     def in_flight(self) -> int:
@@ -427,9 +429,10 @@ class Proxy:
                     (b"x-kvroute-worker", worker.name.encode()),
                     (b"x-kvroute-predicted-cached-tokens", str(predicted or 0).encode()),
                 ]
+            tap = AnswerTap() if self._remembers(req, prompt) else None
             if req.stream and resp.status == 200:
                 usage = await self._stream(
-                    resp, first, out_headers, out, send, record, worker.load.steps
+                    resp, first, out_headers, out, send, record, worker.load.steps, tap
                 )
             else:
                 resp.release()
@@ -442,6 +445,9 @@ class Proxy:
                 await send({"type": "http.response.body", "body": first})
             if resp.status == 200:
                 self._verify(worker, predicted, req, prompt, record, usage)
+                if tap is not None and record.status == 200:
+                    answer = tap.answer() if req.stream else answer_of_response(first)
+                    self._routing.remember_answer(req, prompt, answer)
             return resp.status
         finally:
             prefill_timer.cancel()
@@ -481,6 +487,7 @@ class Proxy:
         send: Send,
         record: DecisionRecord,
         steps: StepClock,
+        tap: AnswerTap | None = None,
     ) -> Usage | None:
         """Relay the stream; each chunk's arrival also ticks the worker's step clock (an
         engine step's end sends every running stream a chunk)."""
@@ -495,6 +502,8 @@ class Proxy:
                 out = sse.feed(chunk)
                 if chat is not None:
                     out = chat.convert(out)
+                if tap is not None:
+                    tap.feed(out)
                 if resp.at_end:
                     break  # the last piece: sent below with the end of the body, in one write
                 if out:
@@ -523,8 +532,19 @@ class Proxy:
         rest = sse.flush()
         if chat is not None:
             rest = chat.convert(rest)
+        if tap is not None:
+            tap.feed(rest)
         await send({"type": "http.response.body", "body": out + rest, "more_body": False})
         return sse.usage
+
+    def _remembers(self, req: ClientRequest, prompt: Prompt) -> bool:
+        """Whether this request's answer is worth keeping for its next turn."""
+        return (
+            self._remember_answers
+            and req.endpoint == CHAT
+            and prompt.source == "local"
+            and prompt.cacheable
+        )
 
     def _verify(
         self,

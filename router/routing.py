@@ -56,6 +56,8 @@ class TokenizerLike(Protocol):
 
     async def finish(self, partial: Any) -> TokenizedLike | None: ...
 
+    def remember_answer(self, model: str, body: Mapping[str, Any], answer: str) -> bool: ...
+
 
 @dataclass(slots=True)
 class Prompt:
@@ -196,6 +198,17 @@ class Routing:
         prompt.token_ids = whole.token_ids
         prompt.n_tokens = len(whole.token_ids)
         return True
+
+    def remember_answer(self, req: ClientRequest, prompt: Prompt, answer: str | None) -> bool:
+        """Have the tokenizer encode the conversation with its answer for the next turn
+        (background work; only for chat prompts it tokenized itself and vLLM caches)."""
+        if answer is None or prompt.source != "local" or not prompt.cacheable:
+            return False
+        try:
+            route = self.resolve_model(req)
+        except RouterError:
+            return False  # the model left the fleet while the answer streamed
+        return self._tokenizers.remember_answer(route.base, req.body, answer)
 
     def _render_worker(self, route: ModelRoute) -> str | None:
         workers = self.eligible(route)

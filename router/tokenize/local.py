@@ -31,6 +31,8 @@ PieceEncoder = Callable[[Sequence[str]], list[list[int]]]
 _REQUEST_TEMPLATES_KEPT = 16
 # Characters per token until encodes have measured it (English text under byte-level BPE).
 _CHARS_PER_TOKEN_START = 4.0
+# The next message `remember_answer` renders after an answer: only the text before it is used.
+_NEXT_TURN_PLACEHOLDER = "kvroute-next-turn-placeholder"
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,6 +182,49 @@ class LocalTokenizer:
                 param="messages",
             )
         return ids, stats
+
+    def remember_answer(self, body: Mapping[str, Any], answer: str) -> int:
+        """Put the ids of `body`'s conversation followed by the assistant's `answer` into the
+        prefix cache, so that the client's next turn (which sends the answer back) encodes
+        only its own new message. Returns how many tokens were encoded (0: nothing to do).
+
+        Where the known text ends: the conversation is rendered with a placeholder next
+        message; the text before the placeholder does not depend on it, and the cached cut
+        lies a guard region before that point (so it is reused only by texts that really
+        continue the same way). Exactness does not depend on the guess: a later text reuses
+        the entry only if it starts with the same characters (see `prefix_cache`)."""
+        messages = body.get("messages")
+        if not self._cache_enabled or not answer or not isinstance(messages, list):
+            return 0
+        if body.get("continue_final_message") or body.get("add_generation_prompt") is False:
+            return 0
+        follow = {
+            **body,
+            "messages": [
+                *messages,
+                {"role": "assistant", "content": answer},
+                {"role": "user", "content": _NEXT_TURN_PLACEHOLDER},
+            ],
+        }
+        text, _ = self.render_chat(follow)
+        known = text.rfind(_NEXT_TURN_PLACEHOLDER)
+        if known < 0:
+            return 0
+        self.check_length(text)
+        lookup = self.cached_prefix(text)
+        hit = lookup.hit
+        start = hit.anchor if hit is not None else 0
+        cut = self.encoder.last_anchor(text, start, known - self.encoder.guard_chars)
+        if cut is None:
+            return 0  # the cache already reaches as far
+        try:
+            piece = self.encoder.encode_pieces([text[start:cut]])[0]
+        except (TypeError, ValueError, UnicodeError, OverflowError):
+            return 0
+        prefix = hit.ids.tolist() if hit is not None else []
+        self.cache.insert(text, lookup.digests, cut, cut + self.encoder.guard_chars, prefix + piece)
+        self._measured(cut - start, len(piece))
+        return len(piece)
 
     def completion_ids(
         self, body: Mapping[str, Any], encode: PieceEncoder | None = None

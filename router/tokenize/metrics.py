@@ -43,7 +43,8 @@ class TokenizeMetrics:
         )
         self.tokens = Counter(
             "kvroute_tokenize_prompt_tokens",
-            "Prompt tokens produced locally: reused from the prefix cache or encoded now",
+            "Prompt tokens produced locally: reused from the prefix cache, encoded now, or "
+            "encoded ahead from an answer for the next turn (answer)",
             ["model", "kind"],
             registry=registry,
         )
@@ -58,6 +59,13 @@ class TokenizeMetrics:
             "Cache hits whose ids differed from a from-scratch check (the cache is then off "
             "for that model)",
             ["model"],
+            registry=registry,
+        )
+        self.answers = Counter(
+            "kvroute_tokenize_answers",
+            "Chat answers put into the prefix cache for the conversation's next turn, by "
+            "result (remembered, nothing_new, busy: too many waiting, error)",
+            ["model", "result"],
             registry=registry,
         )
         self.load_failures = Counter(

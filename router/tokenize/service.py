@@ -28,6 +28,9 @@ log = logging.getLogger("kvroute.tokenize")
 
 _DEFAULT_KEY = "_default"
 _RELOAD_AFTER_S = 60.0
+# answers waiting for (or in) the pool per thread; more are dropped (the next turn then
+# encodes the answer itself, as without the feature)
+_ANSWERS_PER_THREAD = 4
 T = TypeVar("T")
 # the worker whose render endpoint to ask: a URL, or a function giving it on demand
 RenderUrl = str | Callable[[], str | None] | None
@@ -76,6 +79,7 @@ class Tokenizers:
         self._validators: dict[str, IdsValidator] = {}
         self._seeds = {key: i + 1 for i, key in enumerate([*self._specs, _DEFAULT_KEY])}
         self._log = RateLimitedLog(log)
+        self._answer_tasks: set[asyncio.Task[None]] = set()
 
     # ---- lifecycle ------------------------------------------------------------------------
 
@@ -97,6 +101,8 @@ class Tokenizers:
         await asyncio.gather(*(self._local_for(k, s) for k, s in keys))
 
     async def aclose(self) -> None:
+        for task in list(self._answer_tasks):
+            task.cancel()
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None
@@ -231,6 +237,38 @@ class Tokenizers:
             ids, stats = await self._run(encode)
         self._count(key, stats)
         return TokenizedPrompt(ids, "local")
+
+    def remember_answer(self, model: str, body: Mapping[str, Any], answer: str) -> bool:
+        """Encode, in the background, `body`'s conversation with the assistant's `answer`
+        into the prefix cache (`LocalTokenizer.remember_answer`), so the next turn's encode,
+        which is on the request's critical path, covers only its new message. Returns False
+        when it is not done: no local tokenizer for the model, or too many answers waiting
+        (bounded by the pool's size)."""
+        key = model if model in self._specs else _DEFAULT_KEY
+        local = self._local.get(key)
+        if not isinstance(local, LocalTokenizer) or not local.cache_enabled or not answer:
+            return False
+        if len(self._answer_tasks) >= self._threads * _ANSWERS_PER_THREAD:
+            self._metrics.child(self._metrics.answers, key, "busy").inc()
+            return False
+        task = asyncio.get_running_loop().create_task(self._remember(key, local, body, answer))
+        self._answer_tasks.add(task)
+        task.add_done_callback(self._answer_tasks.discard)
+        return True
+
+    async def _remember(
+        self, key: str, local: LocalTokenizer, body: Mapping[str, Any], answer: str
+    ) -> None:
+        m = self._metrics
+        try:
+            encoded = await self._run(local.remember_answer, body, answer)
+        except Exception as exc:  # a cache warmer must never fail anything; counted, logged
+            m.child(m.answers, key, "error").inc()
+            self._log.warning(f"answer:{key}", "model %s: caching an answer failed: %s", key, exc)
+            return
+        m.child(m.answers, key, "remembered" if encoded else "nothing_new").inc()
+        if encoded:
+            m.child(m.tokens, key, "answer").inc(encoded)
 
     async def finish(self, partial: TokenizedPrompt) -> TokenizedPrompt | None:
         """The whole prompt of a partial `token_ids` answer (itself if it is whole), or None

@@ -98,6 +98,69 @@ def test_metaspace_first_prepend_scheme_is_safe(
         messages = [*messages, {"role": "user", "content": t}]
 
 
+@FIXTURE_SETTINGS
+@given(
+    kind=st.sampled_from(["chatml", "llama3", "sim"]),
+    convo=conversations(roles=("user", "assistant")),
+    answer=text,
+    next_user=text,
+)
+def test_a_remembered_answer_keeps_the_next_turn_exact(
+    model_dirs: dict[str, Path], kind: str, convo: list[dict[str, Any]], answer: str, next_user: str
+) -> None:
+    """`remember_answer` (any answer text, special-token look-alikes included) never changes
+    the next turn's ids: they equal a full tokenization."""
+    tok = _shared(SIM_MODEL if kind == "sim" else model_dirs[kind])
+    if convo[-1]["role"] != "user":
+        convo = [*convo, {"role": "user", "content": "q"}]
+    body = {"model": "m", "messages": convo}
+    nxt = {
+        "model": "m",
+        "messages": [
+            *convo,
+            {"role": "assistant", "content": answer},
+            {"role": "user", "content": next_user},
+        ],
+    }
+    try:
+        tok.remember_answer(body, answer)
+        text_, _ = tok.render_chat(nxt)
+    except TokenizeError:
+        return  # the fixture template refuses some shapes (e.g. empty system content)
+    assert tok.chat_ids(nxt)[0] == _scratch(tok, text_)
+
+
+def test_a_remembered_answer_is_not_encoded_again(model_dirs: dict[str, Path]) -> None:
+    for model_dir in (model_dirs["chatml"], model_dirs["llama3"], SIM_MODEL):
+        tok = _local(model_dir)
+        convo = [
+            {"role": "system", "content": "You are helpful. " * 20},
+            {"role": "user", "content": "question " * 30},
+        ]
+        answer = "a long answer " * 60
+        tok.chat_ids({"model": "m", "messages": convo})
+        assert tok.remember_answer({"model": "m", "messages": convo}, answer) > 0
+        new = "next question " * 5
+        nxt = [*convo, {"role": "assistant", "content": answer}, {"role": "user", "content": new}]
+        ids, stats = tok.chat_ids({"model": "m", "messages": nxt})
+        assert stats.cache_hit
+        assert ids == _scratch(tok, tok.render_chat({"model": "m", "messages": nxt})[0])
+        # the new message and the markers around it: far less than the answer itself
+        assert stats.encoded_tokens < len(tok.encoder.encode(answer)) / 4, model_dir
+        # nothing new to remember for the same answer again
+        assert tok.remember_answer({"model": "m", "messages": convo}, answer) == 0
+
+
+def test_remember_answer_refuses_what_it_cannot_use(model_dirs: dict[str, Path]) -> None:
+    tok = _local(model_dirs["chatml"])
+    convo = [{"role": "user", "content": "q " * 40}]
+    assert tok.remember_answer({"model": "m", "messages": convo}, "") == 0
+    assert tok.remember_answer({"model": "m", "messages": "x"}, "a") == 0
+    cont = {"model": "m", "messages": convo, "continue_final_message": True}
+    assert tok.remember_answer(cont, "a " * 40) == 0
+    assert tok.cache.stats().entries == 0
+
+
 SPECIALS = ["<|im_start|>", "<|im_end|>", "<s>", "</s>", "<|eot_id|>", "<tool_call>", "<think>"]
 noisy = st.lists(
     st.one_of(

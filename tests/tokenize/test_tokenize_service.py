@@ -235,6 +235,42 @@ def test_partial_rest_that_fails_gives_none_and_is_counted(model_dirs: dict[str,
     assert _value(reg, "kvroute_tokenize_unavailable_total", model="m", reason="rest_messages") == 1
 
 
+def test_remembered_answers_are_bounded_counted_and_used(model_dirs: dict[str, Path]) -> None:
+    """Answers wait for a pool of `threads` (4 per thread at most, more are dropped as busy);
+    a remembered answer makes the next turn a cache hit through it; a model without a local
+    tokenizer remembers nothing."""
+    reg = CollectorRegistry()
+    spec = TokenizerSpec("local", path=str(model_dirs["chatml"]))
+    first = _chat("question " * 40)
+    answer = "an answer " * 60
+
+    async def go() -> None:
+        tz = Tokenizers({"m": spec}, registry=reg, threads=1)
+        await tz.start()
+        await tz.token_ids("m", CHAT, first, None)
+        accepted = [tz.remember_answer("m", first, answer) for _ in range(6)]
+        assert accepted == [True] * 4 + [False] * 2
+        assert _value(reg, "kvroute_tokenize_answers_total", model="m", result="busy") == 2
+        while tz._answer_tasks:
+            await asyncio.sleep(0.01)
+        remembered = _value(reg, "kvroute_tokenize_answers_total", model="m", result="remembered")
+        nothing = _value(reg, "kvroute_tokenize_answers_total", model="m", result="nothing_new")
+        assert (remembered, nothing) == (1, 3)  # the same answer four times: encoded once
+        assert _value(reg, "kvroute_tokenize_prompt_tokens_total", model="m", kind="answer") > 0
+        before = _value(reg, "kvroute_tokenize_prompt_tokens_total", model="m", kind="encoded")
+        nxt = _chat("question " * 40, answer, "thanks")
+        got = await tz.token_ids("m", CHAT, nxt, None)
+        assert (
+            got is not None and got.token_ids == _reference(model_dirs["chatml"]).chat_ids(nxt)[0]
+        )
+        encoded = _value(reg, "kvroute_tokenize_prompt_tokens_total", model="m", kind="encoded")
+        assert encoded - before < 20  # "thanks" and the markers around it
+        assert not tz.remember_answer("other", first, answer)  # no tokenizer for it
+        await tz.aclose()
+
+    run(go)
+
+
 def test_unknown_model_without_default_gets_none(model_dirs: dict[str, Path]) -> None:
     reg = CollectorRegistry()
 

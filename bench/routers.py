@@ -90,6 +90,13 @@ ROUTERS: dict[str, RouterSpec] = {
             "ttft",
             (("KVROUTE_MODELS__KVROUTE-SIM__SEND_TOKEN_IDS", "false"),),
         ),
+        RouterSpec(
+            "kvroute-no-answer-cache",
+            "kvroute (default, answers not encoded ahead: each turn encodes the last answer)",
+            "kvroute",
+            "ttft",
+            (("KVROUTE_TOKENIZER__REMEMBER_ANSWERS", "false"),),
+        ),
         RouterSpec("kvroute-session", "kvroute session affinity", "kvroute", "session"),
         RouterSpec("kvroute-least-load", "kvroute least load", "kvroute", "least_load"),
         RouterSpec("kvroute-round-robin", "kvroute round robin", "kvroute", "round_robin"),

@@ -26,6 +26,7 @@ from bench.procs import (
 from bench.report import routing_markdown, routing_plot
 from bench.run_all import write_summary
 from bench.stats import RequestRecord, percentile, summarize
+from router.config import RouterConfig
 
 # A child that starts two grandchildren and ignores SIGTERM: the worst case for cleanup.
 _STUBBORN = """
@@ -310,11 +311,9 @@ def test_bridges_beside_the_router_only_when_the_router_has_cpus_of_its_own() ->
         assert build_config(parse_args([*argv, "--bridges", "fleet"])).bridges == "fleet"
 
 
-def test_the_chat_upstream_variant_turns_token_ids_off_in_the_sim_fleets_config(
-    tmp_path: Path,
-) -> None:
-    """The bench's kvroute runs with the config `kvroute sim fleet` writes (token ids sent to
-    the engines); `kvroute-chat-upstream` overrides that through its environment alone."""
+def _variant_configs(tmp_path: Path, *names: str) -> dict[str, RouterConfig]:
+    """The router config each named bench router runs with: the config `kvroute sim fleet`
+    writes, plus the router's environment."""
     import yaml
 
     from bench.routers import ROUTERS
@@ -325,12 +324,26 @@ def test_the_chat_upstream_variant_turns_token_ids_off_in_the_sim_fleets_config(
     config["workers"] = [{"name": "a", "url": "http://127.0.0.1:1", "model": "kvroute-sim"}]
     path = tmp_path / "fleet.yaml"
     path.write_text(yaml.safe_dump(config))
-    sends = {
-        name: load_config(str(path), env=dict(ROUTERS[name].env)).models["kvroute-sim"]
-        for name in ("kvroute", "kvroute-chat-upstream")
-    }
+    return {name: load_config(str(path), env=dict(ROUTERS[name].env)) for name in names}
+
+
+def test_the_chat_upstream_variant_turns_token_ids_off_in_the_sim_fleets_config(
+    tmp_path: Path,
+) -> None:
+    """The bench's kvroute runs with the config `kvroute sim fleet` writes (token ids sent to
+    the engines); `kvroute-chat-upstream` overrides that through its environment alone."""
+    loaded = _variant_configs(tmp_path, "kvroute", "kvroute-chat-upstream")
+    sends = {name: cfg.models["kvroute-sim"] for name, cfg in loaded.items()}
     assert {k: v.send_token_ids for k, v in sends.items()} == {
         "kvroute": True,
         "kvroute-chat-upstream": False,
     }
     assert sends["kvroute-chat-upstream"].tokenizer == sends["kvroute"].tokenizer
+
+
+def test_the_no_answer_cache_variant_turns_only_remember_answers_off(tmp_path: Path) -> None:
+    loaded = _variant_configs(tmp_path, "kvroute", "kvroute-no-answer-cache")
+    base, variant = loaded["kvroute"], loaded["kvroute-no-answer-cache"]
+    assert base.tokenizer.remember_answers
+    assert not variant.tokenizer.remember_answers
+    assert variant.models == base.models and variant.policy == base.policy

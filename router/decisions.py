@@ -31,6 +31,9 @@ class DecisionRecord:
     reported_prompt_tokens: int | None = None
     outcome: str | None = None
     duration_s: float | None = None
+    # the engine endpoint the request went to (a chat request sent as a completion of the
+    # router's token ids, `send_token_ids`, differs from `endpoint`)
+    upstream_endpoint: str | None = None
 
     def to_json(self, *, candidates: bool = True) -> dict[str, Any]:
         d = self.decision
@@ -56,6 +59,7 @@ class DecisionRecord:
             "reported_prompt_tokens": self.reported_prompt_tokens,
             "outcome": self.outcome,
             "duration_s": self.duration_s,
+            "upstream_endpoint": self.upstream_endpoint,
         }
         if candidates:
             out["candidates"] = [candidate_json(c) for c in d.candidates]

@@ -271,6 +271,7 @@ class Proxy:
         if out is None:
             body = with_stream_usage(req.body, req.raw) if inject_usage else req.raw
             out = _Outgoing(req.endpoint, body, inject_usage)
+        record.upstream_endpoint = out.path
         if inject_usage:
             self._metrics.usage_injected.inc()
         self._budget.on_request()

@@ -237,7 +237,13 @@
       }
       tr.appendChild(td(new Date(d.time * 1000).toLocaleTimeString()));
       tr.appendChild(td(d.request_id));
-      tr.appendChild(td(num(d.prompt_tokens), "num"));
+      const prompt = td(num(d.prompt_tokens), "num");
+      if (d.upstream_endpoint && d.upstream_endpoint !== d.endpoint) {
+        prompt.appendChild(el("span", " ids", "as-ids"));
+        prompt.title = "sent to the engine as " + d.upstream_endpoint +
+          " of the router's token ids (send_token_ids): the engine did not tokenize it again";
+      }
+      tr.appendChild(prompt);
       tr.appendChild(td(d.chosen || "–"));
       const reason = td(d.reason);
       reason.title = d.detail || "";

@@ -129,6 +129,8 @@ def test_loads_shows_fleet_updates_and_scores(live: LiveRun, page: Any) -> None:
     chips = decision.locator(".score")
     assert chips.count() == SHORT.workers
     assert decision.locator(".score.chosen").inner_text().startswith(worker)
+    # A plain chat request went to the engine as its token ids (the fleet's send_token_ids).
+    assert decision.locator("td").nth(2).locator(".as-ids").count() == 1
     reported = decision.locator("td").nth(6).inner_text()
     usage = resp.json()["usage"]
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0

@@ -204,6 +204,11 @@ def test_end_to_end_the_client_gets_the_chat_answer_the_engine_would_give() -> N
             tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
             await r.chat(messages, max_tokens=4, tools=tools)
             assert _sent_as_ids(r) == {"yes": 2.0, "not_plain": 1.0}
+            # the decision log (and the dashboard) says where each one went
+            resp = await r.client.get("/admin/decisions?limit=10", headers=r.admin())
+            sent = [(d["endpoint"], d["upstream_endpoint"]) for d in resp.json()["decisions"]]
+            chat, completions = "/v1/chat/completions", "/v1/completions"
+            assert sent == [(chat, completions), (chat, completions), (chat, chat)]
 
     asyncio.run(go())
 

@@ -28,9 +28,9 @@ log = logging.getLogger("kvroute.tokenize")
 
 _DEFAULT_KEY = "_default"
 _RELOAD_AFTER_S = 60.0
-# answers waiting for (or in) the pool per thread; more are dropped (the next turn then
-# encodes the answer itself, as without the feature)
-_ANSWERS_PER_THREAD = 4
+# answers waiting for (or in) their thread; more are dropped (the next turn then encodes the
+# answer itself, as without the feature)
+_ANSWERS_WAITING = 8
 T = TypeVar("T")
 # the worker whose render endpoint to ask: a URL, or a function giving it on demand
 RenderUrl = str | Callable[[], str | None] | None
@@ -80,6 +80,9 @@ class Tokenizers:
         self._seeds = {key: i + 1 for i, key in enumerate([*self._specs, _DEFAULT_KEY])}
         self._log = RateLimitedLog(log)
         self._answer_tasks: set[asyncio.Task[None]] = set()
+        # answers are encoded on a thread of their own: a request's encode, which it waits
+        # for, never queues behind them in the pool
+        self._answer_executor: ThreadPoolExecutor | None = None
 
     # ---- lifecycle ------------------------------------------------------------------------
 
@@ -103,6 +106,9 @@ class Tokenizers:
     async def aclose(self) -> None:
         for task in list(self._answer_tasks):
             task.cancel()
+        if self._answer_executor is not None:
+            self._answer_executor.shutdown(wait=False, cancel_futures=True)
+            self._answer_executor = None
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None
@@ -243,12 +249,13 @@ class Tokenizers:
         into the prefix cache (`LocalTokenizer.remember_answer`), so the next turn's encode,
         which is on the request's critical path, covers only its new message. Returns False
         when it is not done: no local tokenizer for the model, or too many answers waiting
-        (bounded by the pool's size)."""
+        (`_ANSWERS_WAITING`; they have one thread of their own, apart from the pool that
+        requests wait for)."""
         key = model if model in self._specs else _DEFAULT_KEY
         local = self._local.get(key)
         if not isinstance(local, LocalTokenizer) or not local.cache_enabled or not answer:
             return False
-        if len(self._answer_tasks) >= self._threads * _ANSWERS_PER_THREAD:
+        if len(self._answer_tasks) >= _ANSWERS_WAITING:
             self._metrics.child(self._metrics.answers, key, "busy").inc()
             return False
         task = asyncio.get_running_loop().create_task(self._remember(key, local, body, answer))
@@ -260,8 +267,13 @@ class Tokenizers:
         self, key: str, local: LocalTokenizer, body: Mapping[str, Any], answer: str
     ) -> None:
         m = self._metrics
+        if self._answer_executor is None:
+            self._answer_executor = ThreadPoolExecutor(1, thread_name_prefix="kvroute-answers")
+        loop = asyncio.get_running_loop()
         try:
-            encoded = await self._run(local.remember_answer, body, answer)
+            encoded = await loop.run_in_executor(
+                self._answer_executor, partial(local.remember_answer, body, answer)
+            )
         except Exception as exc:  # a cache warmer must never fail anything; counted, logged
             m.child(m.answers, key, "error").inc()
             self._log.warning(f"answer:{key}", "model %s: caching an answer failed: %s", key, exc)

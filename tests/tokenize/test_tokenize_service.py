@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -236,7 +237,7 @@ def test_partial_rest_that_fails_gives_none_and_is_counted(model_dirs: dict[str,
 
 
 def test_remembered_answers_are_bounded_counted_and_used(model_dirs: dict[str, Path]) -> None:
-    """Answers wait for a pool of `threads` (4 per thread at most, more are dropped as busy);
+    """Answers wait for a thread of their own (8 at most, more are dropped as busy);
     a remembered answer makes the next turn a cache hit through it; a model without a local
     tokenizer remembers nothing."""
     reg = CollectorRegistry()
@@ -248,14 +249,14 @@ def test_remembered_answers_are_bounded_counted_and_used(model_dirs: dict[str, P
         tz = Tokenizers({"m": spec}, registry=reg, threads=1)
         await tz.start()
         await tz.token_ids("m", CHAT, first, None)
-        accepted = [tz.remember_answer("m", first, answer) for _ in range(6)]
-        assert accepted == [True] * 4 + [False] * 2
+        accepted = [tz.remember_answer("m", first, answer) for _ in range(10)]
+        assert accepted == [True] * 8 + [False] * 2
         assert _value(reg, "kvroute_tokenize_answers_total", model="m", result="busy") == 2
         while tz._answer_tasks:
             await asyncio.sleep(0.01)
         remembered = _value(reg, "kvroute_tokenize_answers_total", model="m", result="remembered")
         nothing = _value(reg, "kvroute_tokenize_answers_total", model="m", result="nothing_new")
-        assert (remembered, nothing) == (1, 3)  # the same answer four times: encoded once
+        assert (remembered, nothing) == (1, 7)  # the same answer eight times: encoded once
         assert _value(reg, "kvroute_tokenize_prompt_tokens_total", model="m", kind="answer") > 0
         before = _value(reg, "kvroute_tokenize_prompt_tokens_total", model="m", kind="encoded")
         nxt = _chat("question " * 40, answer, "thanks")
@@ -267,6 +268,35 @@ def test_remembered_answers_are_bounded_counted_and_used(model_dirs: dict[str, P
         assert encoded - before < 20  # "thanks" and the markers around it
         assert not tz.remember_answer("other", first, answer)  # no tokenizer for it
         await tz.aclose()
+
+    run(go)
+
+
+def test_a_request_never_waits_behind_remembered_answers(
+    model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Answers have their own thread: with it stuck, a request's encode (in the pool, as
+    inline_chars=0 sends every encode there) still completes."""
+    spec = TokenizerSpec("local", path=str(model_dirs["chatml"]))
+    release = threading.Event()
+
+    def stuck(self: LocalTokenizer, body: Any, answer: str) -> int:
+        release.wait(10)
+        return 0
+
+    monkeypatch.setattr(LocalTokenizer, "remember_answer", stuck)
+
+    async def go() -> None:
+        tz = Tokenizers({"m": spec}, threads=1, inline_chars=0)
+        await tz.start()
+        body = _chat("question " * 40)
+        assert all(tz.remember_answer("m", body, "answer") for _ in range(8))
+        try:
+            got = await asyncio.wait_for(tz.token_ids("m", CHAT, _chat("other " * 50), None), 5)
+            assert got is not None and got.token_ids
+        finally:
+            release.set()
+            await tz.aclose()
 
     run(go)
 

@@ -17,6 +17,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 from sim.cache import SimCache
 from sim.cache_api import CacheBackend, CacheRequest, CacheSpec, GroupSpec
@@ -292,40 +293,65 @@ class Engine:
 
     # ---- the loop ---------------------------------------------------------------------------
     async def _run(self) -> None:
+        # The steps keep the GPU's schedule, as vLLM's EngineCore does in its own process:
+        # while this event loop is busy elsewhere (the API side parsing and tokenizing a
+        # request, which vLLM does in the API server process), the modelled GPU keeps
+        # stepping, and a request takes part in a step only if it arrived before the step
+        # began (vLLM's busy loop reads its input queue between steps). Without this, a
+        # request tokenized while a step was due was admitted at once (its tokenizing hidden
+        # in the wait for the step) and every other request's step was stretched by it.
         loop = asyncio.get_running_loop()
         next_t = loop.time()
+        busy = False  # a step has just ended at next_t (else the engine was idle)
         while True:
-            await self._unhung.wait()
+            if self.hung:
+                await self._unhung.wait()
+                next_t = loop.time()  # the GPU was frozen too: no catching up afterwards
             self._apply_control()
             if not self.scheduler.has_work():
                 self._wake.clear()
                 await self._wake.wait()
                 next_t = loop.time()
+                busy = False
                 continue
-            plan = self.scheduler.schedule()
+            # with requests running, a step began at next_t: only those that arrived by then
+            # join it; else the engine is idle and the step begins now
+            on_schedule = busy and bool(self.scheduler.running)
+            plan = self.scheduler.schedule(
+                partial(self._arrived_by, next_t) if on_schedule else None
+            )
             if not plan.scheduled:
                 self._wake.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), 0.05)
+                next_t = loop.time()
+                busy = False
                 continue
-            now = time.monotonic()
+            began = next_t if on_schedule else max(next_t, loop.time())
             for s in plan.scheduled:
                 h = self.handles.get(s.request_id)
                 if s.new and h is not None and h.admitted_at is None:
-                    h.admitted_at = now
+                    h.admitted_at = began
                     h.cached_tokens = s.cached_tokens
-                    self.metrics.queue_time.observe(now - h.arrival)
+                    self.metrics.queue_time.observe(began - h.arrival)
             dt = self._step_seconds(plan) * self.slowdown / self.config.speed
             self.busy_seconds += dt
-            next_t = max(next_t, loop.time()) + dt
+            next_t = began + dt
+            busy = True
             await asyncio.sleep(max(0.0, next_t - loop.time()))
-            await self._unhung.wait()  # a hang freezes the step in flight too
+            if self.hung:
+                await self._unhung.wait()  # a hang freezes the step in flight too
+                next_t = loop.time()
             result = self.scheduler.complete(plan, self._sample, self._stops)
             self.steps += 1
             if self.publisher is not None and result.events:
                 self.publisher.publish(result.events)
             self._deliver(result.tokens, result.finished)
             self._update_gauges()
+
+    def _arrived_by(self, t: float, request_id: str) -> bool:
+        handle = self.handles.get(request_id)
+        return handle is None or handle.arrival <= t
 
     def _apply_control(self) -> None:
         for rid in self._aborts:

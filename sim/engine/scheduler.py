@@ -122,8 +122,10 @@ class Scheduler:
         return bool(self.running or self.waiting)
 
     # ---- one step --------------------------------------------------------------------
-    def schedule(self) -> StepPlan:
-        """Plan one step: running requests first, then admissions (see the module docstring)."""
+    def schedule(self, admissible: Callable[[str], bool] | None = None) -> StepPlan:
+        """Plan one step: running requests first, then admissions (see the module docstring).
+        `admissible`: whether a waiting request may join this step (the engine passes "it
+        arrived before the step began"); admission stops at the first that may not (FCFS)."""
         plan = StepPlan()
         budget = self.budget
         self.cache.begin_step()
@@ -153,6 +155,8 @@ class Scheduler:
         if not plan.preempted:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 rid = self.waiting[0]
+                if admissible is not None and not admissible(rid):
+                    break
                 sr = self.requests[rid]
                 lookup = self.cache.lookup(rid)
                 n = min(sr.num_tokens - lookup.hit_tokens, budget)

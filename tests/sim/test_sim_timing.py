@@ -11,7 +11,7 @@ from sim_testkit import FA16
 
 from sim.cache import SimCache
 from sim.cache_api import CacheRequest, CacheSpec
-from sim.engine.core import EngineConfig
+from sim.engine.core import Engine, EngineConfig, GenerateRequest, RequestHandle
 from sim.engine.scheduler import Scheduler
 from sim.server import SimEngineThread
 from sim.timing import DEFAULT_GPU, chunk_context
@@ -109,3 +109,77 @@ def test_batch_limit_and_preemption_when_the_pool_is_full() -> None:
     assert sorted(done) == ["r0", "r1", "r2"]
     assert sched.num_preemptions > 0
     assert cache.usage() == 0.0
+
+
+def test_admission_waits_for_requests_that_arrived_in_time() -> None:
+    """`schedule(admissible)`: a waiting request that may not join stops admission there
+    (FCFS), and joins a later step."""
+    cache = SimCache(CacheSpec(groups=(FA16,), num_blocks=256))
+    sched = Scheduler(cache, max_num_seqs=4, max_num_scheduled_tokens=2048)
+    for i in range(3):
+        sched.add(CacheRequest(f"r{i}", tuple(range(i * 1000, i * 1000 + 64)), max_tokens=5))
+    plan = sched.schedule(lambda rid: rid == "r0")
+    assert [s.request_id for s in plan.scheduled] == ["r0"]
+    sched.complete(plan, lambda _r: 7, lambda _r, _t: False)
+    plan = sched.schedule(lambda rid: rid != "r2")  # r1 may join now; r2 not yet
+    assert [(s.request_id, s.new) for s in plan.scheduled] == [("r0", False), ("r1", True)]
+    sched.complete(plan, lambda _r: 7, lambda _r, _t: False)
+    assert "r2" in [s.request_id for s in sched.schedule().scheduled]
+
+
+def _engine_decoding(speed: float) -> tuple[Engine, RequestHandle]:
+    engine = Engine(EngineConfig(profile="dense", speed=speed, seed=0))
+    handle = engine.submit(
+        GenerateRequest("long", list(range(100, 164)), max_tokens=100_000, ignore_eos=True)
+    )
+    return engine, handle
+
+
+def test_a_blocked_event_loop_does_not_stretch_the_gpus_steps() -> None:
+    """The API side may hold the event loop (vLLM tokenizes in another process than its
+    EngineCore): the modelled GPU keeps its step schedule meanwhile, and catches up after."""
+
+    async def go() -> tuple[int, float]:
+        engine, handle = _engine_decoding(speed=1.0)
+        await engine.start()
+        await asyncio.sleep(0.05)
+        started, steps0 = time.monotonic(), engine.steps
+        for _ in range(4):
+            time.sleep(0.05)  # a request being parsed and tokenized on the loop
+            await asyncio.sleep(0.02)
+        elapsed = time.monotonic() - started
+        done = engine.steps - steps0
+        await engine.stop()
+        assert handle.admitted_at is not None
+        return done, elapsed
+
+    done, elapsed = asyncio.run(go())
+    step_s = DEFAULT_GPU.step_seconds(0, 0, 1, 100)
+    # one step per modelled step time over the whole period, blocked parts included (the
+    # loop ran only ~30% of it; with stretched steps it would be far fewer)
+    assert done >= 0.8 * elapsed / step_s, (done, elapsed, step_s)
+
+
+def test_a_request_that_arrives_after_a_step_began_waits_for_the_next() -> None:
+    """The loop is held across a step's end (an API handler tokenizing); the request it then
+    submits arrived after the next step began, so it joins the one after (vLLM's busy loop
+    reads new requests between steps), about a step later, not at once."""
+    speed = 0.01  # decode steps of ~0.6 s
+
+    async def go() -> tuple[float, float]:
+        engine, _ = _engine_decoding(speed)
+        await engine.start()
+        steps = engine.steps
+        while engine.steps == steps:  # a step has just ended and the next begun
+            await asyncio.sleep(0.001)
+        step_s = DEFAULT_GPU.step_seconds(0, 0, 1, 70) / speed
+        await asyncio.sleep(step_s - 0.05)
+        time.sleep(0.1)  # held across that step's end
+        late = engine.submit(GenerateRequest("late", list(range(500, 520)), max_tokens=1))
+        while late.admitted_at is None:
+            await asyncio.sleep(0.005)
+        await engine.stop()
+        return late.admitted_at - late.arrival, step_s
+
+    waited, step_s = asyncio.run(go())
+    assert 0.5 * step_s <= waited <= 1.05 * step_s, (waited, step_s)

@@ -15,7 +15,8 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, MutableMapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 from router.chat_answer import AnswerTap, answer_of_response
@@ -77,13 +78,15 @@ _JSON = [(b"content-type", b"application/json")]
 @dataclass(frozen=True, slots=True)
 class _Outgoing:
     """What goes to the engine: the path and body, whether the router added stream usage the
-    client did not ask for, and whether a completion answer must be turned into a chat one
-    (`chat_as_completion`)."""
+    client did not ask for, whether a completion answer must be turned into a chat one
+    (`chat_as_completion`), and the model whose tokenizer keeps the answer's text for the
+    conversation's next turn (`tokenizer.remember_answers`; None: not kept)."""
 
     path: str
     body: bytes
     inject_usage: bool
     as_chat: bool = False
+    keep_answer_for: str | None = None
 
 
 @dataclass(slots=True)
@@ -271,6 +274,8 @@ class Proxy:
         if out is None:
             body = with_stream_usage(req.body, req.raw) if inject_usage else req.raw
             out = _Outgoing(req.endpoint, body, inject_usage)
+        if self._remember_answers:
+            out = replace(out, keep_answer_for=routing.answer_model(req, route, prompt))
         record.upstream_endpoint = out.path
         if inject_usage:
             self._metrics.usage_injected.inc()
@@ -430,7 +435,7 @@ class Proxy:
                     (b"x-kvroute-worker", worker.name.encode()),
                     (b"x-kvroute-predicted-cached-tokens", str(predicted or 0).encode()),
                 ]
-            tap = AnswerTap() if self._remembers(req, prompt) else None
+            tap = AnswerTap() if out.keep_answer_for is not None else None
             if req.stream and resp.status == 200:
                 usage = await self._stream(
                     resp, first, out_headers, out, send, record, worker.load.steps, tap
@@ -446,9 +451,10 @@ class Proxy:
                 await send({"type": "http.response.body", "body": first})
             if resp.status == 200:
                 self._verify(worker, predicted, req, prompt, record, usage)
-                if tap is not None and record.status == 200:
-                    answer = tap.answer() if req.stream else answer_of_response(first)
-                    self._routing.remember_answer(req, prompt, answer)
+                if tap is not None and out.keep_answer_for is not None and record.status == 200:
+                    # the text is taken from the bytes later, on the tokenizer's answer thread
+                    answer_of = tap.answer if req.stream else partial(answer_of_response, first)
+                    self._routing.remember_answer(out.keep_answer_for, req.body, answer_of)
             return resp.status
         finally:
             prefill_timer.cancel()
@@ -537,15 +543,6 @@ class Proxy:
             tap.feed(rest)
         await send({"type": "http.response.body", "body": out + rest, "more_body": False})
         return sse.usage
-
-    def _remembers(self, req: ClientRequest, prompt: Prompt) -> bool:
-        """Whether this request's answer is worth keeping for its next turn."""
-        return (
-            self._remember_answers
-            and req.endpoint == CHAT
-            and prompt.source == "local"
-            and prompt.cacheable
-        )
 
     def _verify(
         self,

@@ -18,7 +18,7 @@ from router.config import ModelSpec, PolicyConfig
 from router.errors import NO_WORKER, TOKENIZE, UNKNOWN_MODEL, RouterError
 from router.index_view import IndexView
 from router.metrics import RouterMetrics
-from router.openai_request import ClientRequest, skips_prefix_cache
+from router.openai_request import CHAT, ClientRequest, skips_prefix_cache
 from router.policy import Decision, FullAttentionOnlyPolicy, Policy, RouteInput, session_key
 from router.tokenize.ratelog import RateLimitedLog
 from router.workers import ModelRoute, Worker, WorkerRegistry
@@ -56,7 +56,9 @@ class TokenizerLike(Protocol):
 
     async def finish(self, partial: Any) -> TokenizedLike | None: ...
 
-    def remember_answer(self, model: str, body: Mapping[str, Any], answer: str) -> bool: ...
+    def remember_answer(
+        self, model: str, body: Mapping[str, Any], answer_of: Callable[[], str | None]
+    ) -> bool: ...
 
 
 @dataclass(slots=True)
@@ -199,16 +201,19 @@ class Routing:
         prompt.n_tokens = len(whole.token_ids)
         return True
 
-    def remember_answer(self, req: ClientRequest, prompt: Prompt, answer: str | None) -> bool:
-        """Have the tokenizer encode the conversation with its answer for the next turn
-        (background work; only for chat prompts it tokenized itself and vLLM caches)."""
-        if answer is None or prompt.source != "local" or not prompt.cacheable:
-            return False
-        try:
-            route = self.resolve_model(req)
-        except RouterError:
-            return False  # the model left the fleet while the answer streamed
-        return self._tokenizers.remember_answer(route.base, req.body, answer)
+    def answer_model(self, req: ClientRequest, route: ModelRoute, prompt: Prompt) -> str | None:
+        """The tokenizer model whose prefix cache can use this request's answer for the
+        conversation's next turn: chat prompts it tokenized itself and vLLM caches."""
+        if req.endpoint != CHAT or prompt.source != "local" or not prompt.cacheable:
+            return None
+        return route.base
+
+    def remember_answer(
+        self, model: str, body: Mapping[str, Any], answer_of: Callable[[], str | None]
+    ) -> bool:
+        """Have `model`'s tokenizer encode the conversation with its answer (`answer_of()`,
+        read in the background) for the next turn; see `Tokenizers.remember_answer`."""
+        return self._tokenizers.remember_answer(model, body, answer_of)
 
     def _render_worker(self, route: ModelRoute) -> str | None:
         workers = self.eligible(route)

@@ -189,10 +189,10 @@ class LocalTokenizer:
         only its own new message. Returns how many tokens were encoded (0: nothing to do).
 
         Where the known text ends: the conversation is rendered with a placeholder next
-        message; the text before the placeholder does not depend on it, and the cached cut
-        lies a guard region before that point (so it is reused only by texts that really
-        continue the same way). Exactness does not depend on the guess: a later text reuses
-        the entry only if it starts with the same characters (see `prefix_cache`)."""
+        message; the text before the placeholder does not depend on it, and it is tokenized
+        through the prefix cache as any prompt is (`_ids_cached` remembers its last cut, a
+        guard region before that point). Exactness does not depend on the guess: a later
+        text reuses an entry only if it starts with the same characters (see `prefix_cache`)."""
         messages = body.get("messages")
         if not self._cache_enabled or not answer or not isinstance(messages, list):
             return 0
@@ -210,21 +210,17 @@ class LocalTokenizer:
         known = text.rfind(_NEXT_TURN_PLACEHOLDER)
         if known < 0:
             return 0
+        text = text[:known]
         self.check_length(text)
         lookup = self.cached_prefix(text)
-        hit = lookup.hit
-        start = hit.anchor if hit is not None else 0
-        cut = self.encoder.last_anchor(text, start, known - self.encoder.guard_chars)
-        if cut is None:
-            return 0  # the cache already reaches as far
+        start = lookup.hit.anchor if lookup.hit is not None else 0
+        if self.encoder.cache_anchor(text, start) is None:
+            return 0  # the cache already reaches as far as it could
         try:
-            piece = self.encoder.encode_pieces([text[start:cut]])[0]
+            _, stats = self._ids_cached(text, self.encoder.encode_pieces, lookup)
         except (TypeError, ValueError, UnicodeError, OverflowError):
             return 0
-        prefix = hit.ids.tolist() if hit is not None else []
-        self.cache.insert(text, lookup.digests, cut, cut + self.encoder.guard_chars, prefix + piece)
-        self._measured(cut - start, len(piece))
-        return len(piece)
+        return stats.encoded_tokens
 
     def completion_ids(
         self, body: Mapping[str, Any], encode: PieceEncoder | None = None

@@ -134,7 +134,7 @@ class Tokenizers:
         cache and whose rest is at least that many characters comes back partial: the exact
         ids of the start, and `pending` for `finish` (so a multi-turn request can be routed
         before its new turn is encoded)."""
-        key = model if model in self._specs else _DEFAULT_KEY
+        key = self._key(model)
         spec = self._specs.get(model, self._default)
         if spec is None:
             self._unavailable(key, "no_spec")
@@ -161,6 +161,10 @@ class Tokenizers:
         m.child(m.seconds, spec.mode).observe(time.perf_counter() - started)
         m.child(m.results, key, result.source).inc()
         return result
+
+    def _key(self, model: str) -> str:
+        """The key of a model's tokenizer (its own, else the default's)."""
+        return model if model in self._specs else _DEFAULT_KEY
 
     def _unavailable(self, key: str, reason: str) -> None:
         self._metrics.results.labels(key, "unavailable").inc()
@@ -244,27 +248,34 @@ class Tokenizers:
         self._count(key, stats)
         return TokenizedPrompt(ids, "local")
 
-    def remember_answer(self, model: str, body: Mapping[str, Any], answer: str) -> bool:
-        """Encode, in the background, `body`'s conversation with the assistant's `answer`
-        into the prefix cache (`LocalTokenizer.remember_answer`), so the next turn's encode,
-        which is on the request's critical path, covers only its new message. Returns False
-        when it is not done: no local tokenizer for the model, or too many answers waiting
-        (`_ANSWERS_WAITING`; they have one thread of their own, apart from the pool that
-        requests wait for)."""
-        key = model if model in self._specs else _DEFAULT_KEY
+    def remember_answer(
+        self, model: str, body: Mapping[str, Any], answer_of: Callable[[], str | None]
+    ) -> bool:
+        """Encode, in the background, `body`'s conversation with the assistant's answer
+        (`answer_of()`, called there too: taking the text out of a relayed stream is work the
+        event loop need not do) into the prefix cache (`LocalTokenizer.remember_answer`), so
+        the next turn's encode, which is on the request's critical path, covers only its new
+        message. Returns False when it is not done: no local tokenizer for the model, or too
+        many answers waiting (`_ANSWERS_WAITING`; they have one thread of their own, apart
+        from the pool that requests wait for)."""
+        key = self._key(model)
         local = self._local.get(key)
-        if not isinstance(local, LocalTokenizer) or not local.cache_enabled or not answer:
+        if not isinstance(local, LocalTokenizer) or not local.cache_enabled:
             return False
         if len(self._answer_tasks) >= _ANSWERS_WAITING:
             self._metrics.child(self._metrics.answers, key, "busy").inc()
             return False
-        task = asyncio.get_running_loop().create_task(self._remember(key, local, body, answer))
+        task = asyncio.get_running_loop().create_task(self._remember(key, local, body, answer_of))
         self._answer_tasks.add(task)
         task.add_done_callback(self._answer_tasks.discard)
         return True
 
     async def _remember(
-        self, key: str, local: LocalTokenizer, body: Mapping[str, Any], answer: str
+        self,
+        key: str,
+        local: LocalTokenizer,
+        body: Mapping[str, Any],
+        answer_of: Callable[[], str | None],
     ) -> None:
         m = self._metrics
         if self._answer_executor is None:
@@ -272,7 +283,7 @@ class Tokenizers:
         loop = asyncio.get_running_loop()
         try:
             encoded = await loop.run_in_executor(
-                self._answer_executor, partial(local.remember_answer, body, answer)
+                self._answer_executor, partial(_remember_answer, local, body, answer_of)
             )
         except Exception as exc:  # a cache warmer must never fail anything; counted, logged
             m.child(m.answers, key, "error").inc()
@@ -384,3 +395,11 @@ class Tokenizers:
             "disabled for this model (please report the model's tokenizer)",
             key,
         )
+
+
+def _remember_answer(
+    local: LocalTokenizer, body: Mapping[str, Any], answer_of: Callable[[], str | None]
+) -> int:
+    """On the answer thread: the answer's text, then its ids into the cache (tokens encoded)."""
+    answer = answer_of()
+    return local.remember_answer(body, answer) if answer else 0

@@ -302,7 +302,6 @@ class Engine:
         # in the wait for the step) and every other request's step was stretched by it.
         loop = asyncio.get_running_loop()
         next_t = loop.time()
-        busy = False  # a step has just ended at next_t (else the engine was idle)
         while True:
             if self.hung:
                 await self._unhung.wait()
@@ -312,11 +311,10 @@ class Engine:
                 self._wake.clear()
                 await self._wake.wait()
                 next_t = loop.time()
-                busy = False
                 continue
-            # with requests running, a step began at next_t: only those that arrived by then
-            # join it; else the engine is idle and the step begins now
-            on_schedule = busy and bool(self.scheduler.running)
+            # with requests running, the last step ended and this one began at next_t: only
+            # requests that arrived by then join it; else the engine is idle and starts now
+            on_schedule = bool(self.scheduler.running)
             plan = self.scheduler.schedule(
                 partial(self._arrived_by, next_t) if on_schedule else None
             )
@@ -325,7 +323,6 @@ class Engine:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), 0.05)
                 next_t = loop.time()
-                busy = False
                 continue
             began = next_t if on_schedule else max(next_t, loop.time())
             for s in plan.scheduled:
@@ -337,7 +334,6 @@ class Engine:
             dt = self._step_seconds(plan) * self.slowdown / self.config.speed
             self.busy_seconds += dt
             next_t = began + dt
-            busy = True
             await asyncio.sleep(max(0.0, next_t - loop.time()))
             if self.hung:
                 await self._unhung.wait()  # a hang freezes the step in flight too

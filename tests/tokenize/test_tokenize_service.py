@@ -249,7 +249,7 @@ def test_remembered_answers_are_bounded_counted_and_used(model_dirs: dict[str, P
         tz = Tokenizers({"m": spec}, registry=reg, threads=1)
         await tz.start()
         await tz.token_ids("m", CHAT, first, None)
-        accepted = [tz.remember_answer("m", first, answer) for _ in range(10)]
+        accepted = [tz.remember_answer("m", first, lambda: answer) for _ in range(10)]
         assert accepted == [True] * 8 + [False] * 2
         assert _value(reg, "kvroute_tokenize_answers_total", model="m", result="busy") == 2
         while tz._answer_tasks:
@@ -266,7 +266,7 @@ def test_remembered_answers_are_bounded_counted_and_used(model_dirs: dict[str, P
         )
         encoded = _value(reg, "kvroute_tokenize_prompt_tokens_total", model="m", kind="encoded")
         assert encoded - before < 20  # "thanks" and the markers around it
-        assert not tz.remember_answer("other", first, answer)  # no tokenizer for it
+        assert not tz.remember_answer("other", first, lambda: answer)  # no tokenizer for it
         await tz.aclose()
 
     run(go)
@@ -290,7 +290,7 @@ def test_a_request_never_waits_behind_remembered_answers(
         tz = Tokenizers({"m": spec}, threads=1, inline_chars=0)
         await tz.start()
         body = _chat("question " * 40)
-        assert all(tz.remember_answer("m", body, "answer") for _ in range(8))
+        assert all(tz.remember_answer("m", body, lambda: "answer") for _ in range(8))
         try:
             got = await asyncio.wait_for(tz.token_ids("m", CHAT, _chat("other " * 50), None), 5)
             assert got is not None and got.token_ids

@@ -32,8 +32,14 @@ SHUTDOWN_GRACE_S = 1.0  # how long a stopping engine lets running requests finis
 
 
 def bind_socket(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
-    """A listening TCP socket (port 0 = a free ephemeral port), ready for uvicorn."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    """A listening TCP socket (port 0 = a free ephemeral port), ready for uvicorn; the
+    connections it accepts have Nagle's algorithm off (TCP_NODELAY), as vLLM's do."""
+    # asyncio sets TCP_NODELAY on an accepted socket only when its proto is IPPROTO_TCP, and an
+    # accepted socket inherits the listener's proto (0 by default). Without it the response
+    # body, written after the headers, waited for the client's delayed ACK (40 ms on Linux):
+    # vllm-router paid that on every request here, where vLLM itself (uvloop, which always
+    # sets TCP_NODELAY) answers at once.
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     sock.listen(2048)

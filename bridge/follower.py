@@ -8,7 +8,10 @@
   reconnect, or a malformed message resets the rank's view: subscribers get an empty
   snapshot with a new stream id instead of a silently wrong view.
 - Joining mid-stream (bridge started after the engine): the replay is asked for everything
-  from seq 0; what the engine still buffers is applied first.
+  from seq 0; what the engine still buffers is applied first. A bridge beside a quiet engine
+  joins the same way without waiting for a batch; the live copies of batches that replay
+  already delivered may still be in flight, and are told from a restarted engine's batches
+  (which reuse the seqs) by their payload's digest.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
+import xxhash
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
@@ -42,6 +46,10 @@ log = logging.getLogger(__name__)
 DEFAULT_REPLAY_TIMEOUT: Final = 5.0
 DEFAULT_SUB_HWM: Final = 100_000
 _IDLE_POLL_MS: Final = 100
+# Digests kept of an idle join's replayed batches: their live copies can only be the ones in
+# flight when the replay ran. An older copy beyond this many is taken for a restart (a needless
+# reset, never a wrong view).
+_REPLAYED_DIGESTS_MAX: Final = 4096
 
 
 @dataclass(frozen=True)
@@ -103,6 +111,8 @@ class EngineFollower:
         self._dealer: zmq.asyncio.Socket | None = None
         self._last: int | None = None  # last seq applied
         self._live_high: int | None = None  # highest seq seen on the live socket
+        # seq -> payload digest of batches an idle join's replay applied, until a live message
+        self._replayed: dict[int, int] = {}
         self._joined = False  # False: the next message starts a (re)join
         self._reconnected = False
         self.connected = False  # the PUB socket's handshake succeeded and holds
@@ -183,7 +193,9 @@ class EngineFollower:
         elif seq == self._last + 1:
             self._apply(seq, message.payload)
         elif seq <= self._last:
-            if self._live_high is None or seq <= self._live_high:
+            if self._is_replayed_copy(seq, message.payload):
+                pass  # the live copy of a batch the joining replay delivered
+            elif self._live_high is None or seq <= self._live_high:
                 # The live publisher only counts up: going back means a new engine.
                 self._log.warning(
                     "restart",
@@ -200,13 +212,22 @@ class EngineFollower:
             self._metrics.gaps.labels(self._label).inc()
             await self._recover(message)
         self._live_high = seq if self._live_high is None else max(self._live_high, seq)
+        # From here on the live seqs are known: anything at or below them going back is a restart,
+        # anything above them and at or below `_last` came through the replay.
+        self._replayed.clear()
 
     async def _join_idle(self) -> None:
         """Connected to an engine that is quiet: take what its replay buffer holds now
         instead of waiting for its next batch (a bridge restarted beside an idle engine
         would otherwise show routers an empty cache)."""
         if self.connected and not self._joined and self.endpoints.replay:
-            await self._replay(0, joining=True)
+            # The replay's answer comes from the engine as it is now: a reconnect before it
+            # needs no second reset at the next live message, and the old engine's live seqs
+            # say nothing about the new one's.
+            self._reconnected = False
+            self._live_high = None
+            self._replayed.clear()
+            await self._replay(0, joining=True, remember=True)
             self._joined = True
 
     async def _join(self, message: LiveMessage) -> None:
@@ -241,8 +262,9 @@ class EngineFollower:
 
     # -- replay ---------------------------------------------------------------------------
 
-    async def _replay(self, start: int, *, joining: bool) -> None:
-        """Ask the engine for seqs >= start and apply them in order."""
+    async def _replay(self, start: int, *, joining: bool, remember: bool = False) -> None:
+        """Ask the engine for seqs >= start and apply them in order; with `remember`, keep
+        the applied batches' digests for telling their live copies from a restart."""
         assert self.endpoints.replay is not None
         if self._dealer is None:
             self._dealer = self._ctx.socket(zmq.DEALER)
@@ -288,9 +310,21 @@ class EngineFollower:
             if self._last is not None and item.seq != self._last + 1:
                 self._reset("gap", item.seq - 1)
             self._apply(item.seq, item.payload)
+            if remember:
+                self._remember(item.seq, item.payload)
         if first and outcome == "recovered" and not joining:
             outcome = "unrecoverable"  # nothing buffered: the engine lost or never had them
         self._metrics.replays.labels(self._label, outcome).inc()
+
+    def _is_replayed_copy(self, seq: int, payload: bytes) -> bool:
+        replayed = self._replayed
+        return bool(replayed) and replayed.get(seq) == xxhash.xxh3_64_intdigest(payload)
+
+    def _remember(self, seq: int, payload: bytes) -> None:
+        replayed = self._replayed
+        replayed[seq] = xxhash.xxh3_64_intdigest(payload)
+        if len(replayed) > _REPLAYED_DIGESTS_MAX:
+            del replayed[next(iter(replayed))]  # the oldest: seqs arrive in order
 
     # -- applying -------------------------------------------------------------------------
 

@@ -162,7 +162,10 @@ def test_unrecoverable_gap_resets_view() -> None:
         assert reset.reason == "gap" and reset.stream_id != first_id and not reset.events
         assert [b.sequence for b in rec.batches()][-2:] == [4, 5]  # 4 and 5 were buffered
         assert set(rec.view.counts) == {(0, be(13)), (0, be(20))}
-        assert metric(bridge, "kvroute_bridge_replays_total", outcome="unrecoverable") == 1
+        # counted when the replay's end arrives, which may be after the subscriber saw seq 5
+        await eventually(
+            lambda: metric(bridge, "kvroute_bridge_replays_total", outcome="unrecoverable") == 1
+        )
         assert metric(bridge, "kvroute_bridge_resets_total", reason="gap") == 1
 
     run(main)
@@ -200,6 +203,33 @@ def test_engine_restart_resets_view() -> None:
         assert rec.position.stream_id != old_id
         assert set(rec.view.counts) == {(0, be(100))}
         assert rec.snapshots()[-1].reason in ("disconnect", "reconnect", "restart")
+
+    run(main)
+
+
+def test_restarted_engine_taken_through_an_idle_join_is_reset_once() -> None:
+    # The new engine buffers a batch before the bridge reconnects; the bridge takes it through
+    # its replay while the engine is quiet. Its next live batch then continues that view: the
+    # disconnect already reset it, a second reset would only make routers resync for nothing.
+    async def main(rig: Rig) -> None:
+        engine, bridge, rec = await rig.follow()
+        await engine.publish([store([1], None, TOKENS[:16])])
+        await rec.wait_for(lambda: rec.position.sequence == 0)
+        pub_port, replay_port = engine.pub_port, engine.replay_port
+        await engine.close()
+        await eventually(lambda: not bridge.ready)
+        engine = rig.engine(pub_port=pub_port, replay_port=replay_port)
+        await engine.publish([store([100], None, TOKENS[:16])])  # before the bridge is back
+        await rec.wait_for(lambda: set(rec.view.counts) == {(0, be(100))})
+        await connected(bridge)
+        await engine.publish([store([101], 100, TOKENS[:16])])
+        await rec.wait_for(lambda: rec.position.sequence == 1)
+        assert set(rec.view.counts) == {(0, be(100)), (0, be(101))}
+        resets = {
+            reason: metric(bridge, "kvroute_bridge_resets_total", reason=reason)
+            for reason in ("disconnect", "reconnect", "restart")
+        }
+        assert resets == {"disconnect": 1, "reconnect": 0, "restart": 0}
 
     run(main)
 
@@ -249,6 +279,51 @@ def test_bridge_beside_a_quiet_engine_takes_its_buffer_without_a_new_batch() -> 
         await engine.publish([store([6], 5, TOKENS[:16])])  # then live, in order
         await rec.wait_for(lambda: rec.position.sequence == 5)
         assert engine.replay_requests == [0] and len(rec.view.counts) == 6
+
+    run(main)
+
+
+def test_live_copies_of_an_idle_joins_replay_are_not_a_restart() -> None:
+    # A bridge beside a quiet engine takes its buffer through the replay; the live copies of
+    # those batches may still be in flight and arrive afterwards. They are duplicates, not a
+    # restarted engine reusing the seqs, whose batches are told apart by their payloads.
+    async def main(rig: Rig) -> None:
+        engine = rig.engine()
+        for i in range(3):  # published before the bridge existed
+            await engine.publish([store([i + 1], i or None, TOKENS[:16])])
+        bridge = await rig.bridge(engine.endpoints())
+        rec = rig.recorder(bridge)
+        await rec.wait_for(lambda: rec.position.sequence == 2)
+        follower, stream_id = bridge.followers[0], rec.position.stream_id
+        for seq, payload in list(engine.buffer):  # the in-flight live copies
+            await follower.on_live(s.live_frames("kv", seq, payload))
+        assert metric(bridge, "kvroute_bridge_resets_total", reason="restart") == 0
+        state = bridge.streams[0].state
+        assert state.last_sequence == 2 and state.blocks == 3
+        # a new engine (no disconnect seen) publishing its first batch after the live copies
+        payload = s.encode_batch(2.0, [store([50], None, TOKENS[:16])], 0, "0.33")
+        await follower.on_live(s.live_frames("kv", 0, payload))
+        assert metric(bridge, "kvroute_bridge_resets_total", reason="restart") == 1
+        await rec.wait_for(lambda: set(rec.view.counts) == {(0, be(50))})
+        assert rec.position.stream_id != stream_id
+
+    run(main)
+
+
+def test_a_restarted_engines_first_batch_after_an_idle_join_is_a_restart() -> None:
+    # The digests kept from the replay match only the very batches it delivered: a new engine
+    # that reuses seq 0 with another payload is a restart even before any live message.
+    async def main(rig: Rig) -> None:
+        engine = rig.engine()
+        await engine.publish([store([1], None, TOKENS[:16])])
+        await engine.publish([store([2], 1, TOKENS[:16])])
+        bridge = await rig.bridge(engine.endpoints())
+        rec = rig.recorder(bridge)
+        await rec.wait_for(lambda: rec.position.sequence == 1)
+        payload = s.encode_batch(2.0, [store([50], None, TOKENS[:16])], 0, "0.33")
+        await bridge.followers[0].on_live(s.live_frames("kv", 0, payload))
+        assert metric(bridge, "kvroute_bridge_resets_total", reason="restart") == 1
+        await rec.wait_for(lambda: set(rec.view.counts) == {(0, be(50))})
 
     run(main)
 

@@ -83,6 +83,7 @@ async def completions_on(r: SimRig, worker: str, prompt: str) -> dict[str, Any]:
         await r.client.post(f"/admin/workers/{w}/undrain", headers=r.admin())
     assert resp.status_code == 200 and resp.headers["x-kvroute-worker"] == worker
     answer: dict[str, Any] = resp.json()
+    await r.events_applied()  # what the callers score next depends on what this one stored
     return answer
 
 
@@ -134,6 +135,9 @@ def test_affinity_keeps_a_shared_prefix_together_on_a_hybrid_model() -> None:
                 resp = await r.client.post("/v1/completions", json=body)
                 cached = resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
                 reason = r.parts.decisions.recent(1)[0].decision.reason
+                # the next request is about what this one stored: let its events arrive (a
+                # 14 ms answer can beat them to the router; that lag is not what this tests)
+                await r.events_applied()
                 return resp.headers["x-kvroute-worker"], cached, reason
 
             home, _, _ = await send(LONG)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -337,31 +337,41 @@ def test_waiting_queue_is_bounded() -> None:
     )
     with SimEngineThread(config) as s, httpx.Client(base_url=s.url, timeout=30) as c:
         codes: list[int] = []
+        threads: list[threading.Thread] = []
+        scheduler = s.engine.scheduler
 
         def send(i: int) -> None:
-            # long answers: the queue must stay full until the extra request below (with 50
-            # tokens the running one finished first once under load); the restart ends them
+            # 400 tokens take minutes at this speed: nothing leaves the engine until the
+            # restart below ends them
             body = {"prompt": [10 + i] * 50, "max_tokens": 400, "ignore_eos": True}
             codes.append(c.post("/v1/completions", json=body).status_code)
 
-        threads = [threading.Thread(target=send, args=(i,)) for i in range(4)]
-        for t in threads:
-            t.start()
-        # Wait until a request is refused: the queue must have reached its bound and never
-        # passed it at a submit (the engine keeps that peak: polling the queue from here misses
-        # it when the scheduler moves one to running between two reads; nothing is preempted
-        # here, the other way a queue grows)
-        deadline = time.monotonic() + 5
-        while s.engine.rejected == 0 and time.monotonic() < deadline:
-            time.sleep(0.005)
-        assert s.engine.rejected >= 1
-        assert s.engine.peak_waiting == 2  # the bound; one more runs
+        def start(i: int) -> None:
+            threads.append(threading.Thread(target=send, args=(i,)))
+            threads[-1].start()
+
+        def settles(predicate: Callable[[], bool]) -> None:
+            deadline = time.monotonic() + 10
+            while not predicate() and time.monotonic() < deadline:
+                time.sleep(0.005)
+            assert predicate()
+
+        # One at a time, so the scheduler has moved the first to running before the others
+        # arrive (sent together, two could be refused while the first still waited, leaving
+        # room for the request this test expects refused)
+        start(0)
+        settles(lambda: scheduler.num_running == 1)
+        start(1)
+        start(2)
+        settles(lambda: scheduler.num_waiting == 2)
+        assert s.engine.rejected == 0  # up to the bound, everything is taken
         r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
         assert r.status_code == 503 and r.json()["error"]["type"] == "ServiceUnavailableError"
+        assert s.engine.rejected == 1 and s.engine.peak_waiting == 2
         c.post("/sim/faults", json={"restart": True})  # fail the rest quickly
         for t in threads:
             t.join(10)
-        assert 503 in codes
+        assert len(codes) == 3 and 200 not in codes  # the restart ended them, none finished
 
 
 def test_streamed_role_chunk_comes_with_the_first_token_as_in_vllm() -> None:

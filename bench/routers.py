@@ -21,9 +21,11 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from bench.fleet import Fleet
 from bench.peers import Peers
@@ -250,6 +252,34 @@ def kvroute_decision_reasons(url: str) -> dict[str, int] | None:
         reason = labels.split('reason="', 1)[1].split('"', 1)[0]
         out[reason] = out.get(reason, 0) + int(float(value))
     return out
+
+
+# Enough for a whole benchmark trace, so every request's decision can be read after the run.
+BENCH_DECISIONS_BUFFER = 10_000
+
+
+def with_decisions_buffer(fleet: Fleet, out: Path) -> Fleet:
+    """`fleet` with its router config copied to ``out``, keeping ``BENCH_DECISIONS_BUFFER``
+    routing decisions (the default keeps the last 256)."""
+    config = yaml.safe_load(fleet.config_path.read_text(encoding="utf-8"))
+    config.setdefault("limits", {})["decisions_buffer"] = BENCH_DECISIONS_BUFFER
+    out.write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
+    return replace(fleet, config_path=out)
+
+
+def kvroute_decisions(url: str) -> list[dict[str, Any]] | None:
+    """Every routing decision kvroute kept (``/admin/decisions``), oldest first, with the
+    per-worker scores behind it."""
+    req = urllib.request.Request(
+        f"{url}/admin/decisions?limit={BENCH_DECISIONS_BUFFER}",
+        headers={"authorization": f"Bearer {ADMIN_TOKEN}"},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=30.0) as resp:
+            found: list[dict[str, Any]] = json.loads(resp.read())["decisions"]
+    except (urllib.error.URLError, OSError, ValueError, KeyError):
+        return None
+    return found
 
 
 def _lists_model(url: str, model: str) -> bool:

@@ -48,8 +48,10 @@ from bench.routers import (
     RunningRouter,
     kvroute_available,
     kvroute_decision_reasons,
+    kvroute_decisions,
     kvroute_predictions,
     start_router,
+    with_decisions_buffer,
 )
 from bench.stats import summarize
 from bench.textgen import TokenSpace
@@ -178,6 +180,8 @@ def run_router(cfg: BenchConfig, profile: str, name: str, run_dir: Path) -> dict
             if cfg.bridges == "router" and cfg.router_cpus is not None:
                 for pid in _bridge_pids(fleet):
                     pin_process(pid, cfg.router_cpus)
+            if spec.kind == "kvroute":
+                fleet = with_decisions_buffer(fleet, run_dir / f"{name}.router.yaml")
             router = start_router(pg, spec, fleet, peers, cpus=cfg.router_cpus)
         except RouterUnavailable as exc:
             return {**row, "status": "unavailable", "reason": str(exc)}
@@ -203,6 +207,9 @@ def run_router(cfg: BenchConfig, profile: str, name: str, run_dir: Path) -> dict
         if spec.kind == "kvroute":
             row["prediction"] = kvroute_predictions(router.url)
             row["decisions"] = kvroute_decision_reasons(router.url)
+            decisions = kvroute_decisions(router.url)
+        else:
+            decisions = None
     summary = summarize(records, cfg.slo_ttft_s)
     row.update(delta(before, after))
     row["summary"] = summary.to_json()
@@ -210,6 +217,10 @@ def run_router(cfg: BenchConfig, profile: str, name: str, run_dir: Path) -> dict
     with open(run_dir / f"{name}.records.jsonl", "w", encoding="utf-8") as out:
         for r in records:
             out.write(json.dumps(r.to_json()) + "\n")
+    if decisions is not None:  # in arrival order: records sorted by `sent`, prompt_tokens agree
+        with open(run_dir / f"{name}.decisions.jsonl", "w", encoding="utf-8") as out:
+            for d in decisions:
+                out.write(json.dumps(d) + "\n")
     s = summary
     print(
         f"[{profile}] {name}: cached {row['engine_cached_tokens']:,}/"

@@ -60,6 +60,16 @@ def test_routing_smoke_cache_aware_beats_round_robin(tmp_path: Path) -> None:
     # The engines' own counters and the per-request usage agree on who reused more.
     assert aware["engine_cached_tokens"] > rr["engine_cached_tokens"]
     assert aware["summary"]["cached_tokens"] > rr["summary"]["cached_tokens"]
+    if kvroute_available() is None:  # every request's decision, in arrival order
+        run_dir = tmp_path / "runs" / "routing_dense_smoke"
+        lines = (run_dir / "kvroute.decisions.jsonl").read_text().splitlines()
+        decisions = [json.loads(line) for line in lines]
+        records = [json.loads(line) for line in (run_dir / "kvroute.records.jsonl").open()]
+        assert len(decisions) == len(records) == result["trace"]["requests"]
+        assert all(d["candidates"] and d["chosen"] for d in decisions)
+        sent = sorted(records, key=lambda r: r["sent"])
+        same = sum(d["prompt_tokens"] == r["prompt_tokens"] for d, r in zip(decisions, sent))
+        assert same > 0.8 * len(sent)  # arrival order is send order, but for near-ties
     assert (tmp_path / "routing_dense_smoke.md").exists()
     assert (tmp_path / "routing_dense_smoke.png").stat().st_size > 0
     assert wall < 90, f"smoke run took {wall:.0f}s"

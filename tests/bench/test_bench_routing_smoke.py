@@ -68,7 +68,8 @@ def test_routing_smoke_cache_aware_beats_round_robin(tmp_path: Path) -> None:
         assert len(decisions) == len(records) == result["trace"]["requests"]
         assert all(d["candidates"] and d["chosen"] for d in decisions)
         sent = sorted(records, key=lambda r: r["sent"])
-        same = sum(d["prompt_tokens"] == r["prompt_tokens"] for d, r in zip(decisions, sent))
+        pairs = zip(decisions, sent, strict=True)
+        same = sum(d["prompt_tokens"] == r["prompt_tokens"] for d, r in pairs)
         assert same > 0.8 * len(sent)  # arrival order is send order, but for near-ties
     assert (tmp_path / "routing_dense_smoke.md").exists()
     assert (tmp_path / "routing_dense_smoke.png").stat().st_size > 0

@@ -13,6 +13,7 @@ import zmq
 import zmq.asyncio
 from bridge_testkit import CLEAR, STORE, FakeEngine, Recorder, View, be, eventually, store
 
+from bridge import follower as follower_module
 from bridge import vllm_schema as s
 from bridge.app import Bridge, BridgeConfig
 from bridge.client import ResumePoint
@@ -306,6 +307,28 @@ def test_live_copies_of_an_idle_joins_replay_are_not_a_restart() -> None:
         assert metric(bridge, "kvroute_bridge_resets_total", reason="restart") == 1
         await rec.wait_for(lambda: set(rec.view.counts) == {(0, be(50))})
         assert rec.position.stream_id != stream_id
+
+    run(main)
+
+
+def test_digests_of_an_idle_join_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    # At the bound the oldest digests go: a live copy older than the kept ones counts as a
+    # restart (a needless reset, never a wrong view); the newest are still recognised.
+    monkeypatch.setattr(follower_module, "_REPLAYED_DIGESTS_MAX", 2)
+
+    async def main(rig: Rig) -> None:
+        engine = rig.engine()
+        for i in range(4):
+            await engine.publish([store([i + 1], i or None, TOKENS[:16])])
+        bridge = await rig.bridge(engine.endpoints())
+        rec = rig.recorder(bridge)
+        await rec.wait_for(lambda: rec.position.sequence == 3)
+        follower, copies = bridge.followers[0], dict(engine.buffer)
+        assert sorted(follower._replayed) == [2, 3]
+        assert follower._is_replayed_copy(3, copies[3])
+        await follower.on_live(s.live_frames("kv", 0, copies[0]))
+        assert metric(bridge, "kvroute_bridge_resets_total", reason="restart") == 1
+        await rec.wait_for(lambda: set(rec.view.counts) == {(0, be(1))})
 
     run(main)
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-import httpx
 import pytest
 
 from proto import events_pb2
@@ -242,14 +241,6 @@ def test_resync_after_drift() -> None:
         async with sim_fleet(
             2, router={"verify": {"window": 4, "min_samples": 4, "miss_fraction": 0.75}}
         ) as r:
-            # One request straight to w0 first, its events applied: the bridge can take the
-            # first live batch after its joining replay for an engine restart and send a
-            # fresh snapshot (a known bridge quirk), which would wipe the lie before the
-            # verifier sees it miss.
-            async with httpx.AsyncClient(base_url=r.engines["w0"].url, timeout=30) as direct:
-                warm = {"model": MODEL, "prompt": [7] * 40, "max_tokens": 2}
-                assert (await direct.post("/v1/completions", json=warm)).status_code == 200
-            await r.events_applied()
             op = events_pb2.KvGroupEvent
             lie = events_pb2.Snapshot(
                 sequence=0,

@@ -49,6 +49,18 @@ class Rig:
         self._stack.push_async_callback(recorder.close)
         return recorder
 
+    async def beside_quiet_engine(self, batches: int) -> tuple[FakeEngine, Bridge, Recorder]:
+        """An engine that published `batches` chained batches before the bridge existed and
+        then went quiet, a bridge that took them through its joining replay, a subscriber
+        that has them all."""
+        engine = self.engine()
+        for i in range(batches):
+            await engine.publish([store([i + 1], i or None, TOKENS[:16])])
+        bridge = await self.bridge(engine.endpoints())
+        recorder = self.recorder(bridge)
+        await recorder.wait_for(lambda: recorder.position.sequence == batches - 1)
+        return engine, bridge, recorder
+
     async def follow(self, **engine_options: Any) -> tuple[FakeEngine, Bridge, Recorder]:
         """One engine, a bridge following it and a subscriber, the bridge connected."""
         engine = self.engine(**engine_options)
@@ -78,6 +90,13 @@ async def connected(bridge: Bridge) -> None:
 def metric(bridge: Bridge, name: str, **labels: str) -> float:
     value = bridge.metrics.registry.get_sample_value(name, {"dp_rank": "0", **labels})
     return value or 0.0
+
+
+async def new_engine_batch(bridge: Bridge, seq: int, block: int) -> None:
+    """Hand rank 0's follower a live batch, as a restarted engine (its own payload: one
+    stored block) would publish it at `seq`."""
+    payload = s.encode_batch(2.0, [store([block], None, TOKENS[:16])], 0, "0.33")
+    await bridge.followers[0].on_live(s.live_frames("kv", seq, payload))
 
 
 def test_live_stream_and_late_subscriber() -> None:
@@ -240,12 +259,9 @@ def test_seq_going_back_is_a_restart() -> None:
     # disconnect seen (e.g. behind a proxy) must still reset the view.
     async def main(rig: Rig) -> None:
         bridge = await rig.bridge(rig.engine(replay=False).endpoints())
-        follower = bridge.followers[0]
         for seq in range(3):
-            payload = s.encode_batch(1.0, [store([seq + 1], None, TOKENS[:16])], 0, "0.33")
-            await follower.on_live(s.live_frames("kv", seq, payload))
-        payload = s.encode_batch(1.0, [store([50], None, TOKENS[:16])], 0, "0.33")
-        await follower.on_live(s.live_frames("kv", 0, payload))
+            await new_engine_batch(bridge, seq, seq + 1)
+        await new_engine_batch(bridge, 0, 50)
         state = bridge.streams[0].state
         assert state.blocks == 1 and state.copies(0, be(50)) == 1 and state.last_sequence == 0
         assert metric(bridge, "kvroute_bridge_resets_total", reason="restart") == 1
@@ -270,13 +286,8 @@ def test_bridge_joins_running_engine_through_replay() -> None:
 
 def test_bridge_beside_a_quiet_engine_takes_its_buffer_without_a_new_batch() -> None:
     async def main(rig: Rig) -> None:
-        engine = rig.engine()
-        for i in range(5):  # published before the bridge existed; then the engine is idle
-            await engine.publish([store([i + 1], i or None, TOKENS[:16])])
-        bridge = await rig.bridge(engine.endpoints())
-        rec = rig.recorder(bridge)
-        await rec.wait_for(lambda: len(rec.view.counts) == 5)
-        assert engine.replay_requests == [0] and rec.position.sequence == 4
+        engine, _, rec = await rig.beside_quiet_engine(5)
+        assert engine.replay_requests == [0] and len(rec.view.counts) == 5
         await engine.publish([store([6], 5, TOKENS[:16])])  # then live, in order
         await rec.wait_for(lambda: rec.position.sequence == 5)
         assert engine.replay_requests == [0] and len(rec.view.counts) == 6
@@ -289,12 +300,7 @@ def test_live_copies_of_an_idle_joins_replay_are_not_a_restart() -> None:
     # those batches may still be in flight and arrive afterwards. They are duplicates, not a
     # restarted engine reusing the seqs, whose batches are told apart by their payloads.
     async def main(rig: Rig) -> None:
-        engine = rig.engine()
-        for i in range(3):  # published before the bridge existed
-            await engine.publish([store([i + 1], i or None, TOKENS[:16])])
-        bridge = await rig.bridge(engine.endpoints())
-        rec = rig.recorder(bridge)
-        await rec.wait_for(lambda: rec.position.sequence == 2)
+        engine, bridge, rec = await rig.beside_quiet_engine(3)
         follower, stream_id = bridge.followers[0], rec.position.stream_id
         for seq, payload in list(engine.buffer):  # the in-flight live copies
             await follower.on_live(s.live_frames("kv", seq, payload))
@@ -302,8 +308,7 @@ def test_live_copies_of_an_idle_joins_replay_are_not_a_restart() -> None:
         state = bridge.streams[0].state
         assert state.last_sequence == 2 and state.blocks == 3
         # a new engine (no disconnect seen) publishing its first batch after the live copies
-        payload = s.encode_batch(2.0, [store([50], None, TOKENS[:16])], 0, "0.33")
-        await follower.on_live(s.live_frames("kv", 0, payload))
+        await new_engine_batch(bridge, 0, 50)
         assert metric(bridge, "kvroute_bridge_resets_total", reason="restart") == 1
         await rec.wait_for(lambda: set(rec.view.counts) == {(0, be(50))})
         assert rec.position.stream_id != stream_id
@@ -317,12 +322,7 @@ def test_digests_of_an_idle_join_are_bounded(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(follower_module, "_REPLAYED_DIGESTS_MAX", 2)
 
     async def main(rig: Rig) -> None:
-        engine = rig.engine()
-        for i in range(4):
-            await engine.publish([store([i + 1], i or None, TOKENS[:16])])
-        bridge = await rig.bridge(engine.endpoints())
-        rec = rig.recorder(bridge)
-        await rec.wait_for(lambda: rec.position.sequence == 3)
+        engine, bridge, rec = await rig.beside_quiet_engine(4)
         follower, copies = bridge.followers[0], dict(engine.buffer)
         assert sorted(follower._replayed) == [2, 3]
         assert follower._is_replayed_copy(3, copies[3])
@@ -337,14 +337,8 @@ def test_a_restarted_engines_first_batch_after_an_idle_join_is_a_restart() -> No
     # The digests kept from the replay match only the very batches it delivered: a new engine
     # that reuses seq 0 with another payload is a restart even before any live message.
     async def main(rig: Rig) -> None:
-        engine = rig.engine()
-        await engine.publish([store([1], None, TOKENS[:16])])
-        await engine.publish([store([2], 1, TOKENS[:16])])
-        bridge = await rig.bridge(engine.endpoints())
-        rec = rig.recorder(bridge)
-        await rec.wait_for(lambda: rec.position.sequence == 1)
-        payload = s.encode_batch(2.0, [store([50], None, TOKENS[:16])], 0, "0.33")
-        await bridge.followers[0].on_live(s.live_frames("kv", 0, payload))
+        _, bridge, rec = await rig.beside_quiet_engine(2)
+        await new_engine_batch(bridge, 0, 50)
         assert metric(bridge, "kvroute_bridge_resets_total", reason="restart") == 1
         await rec.wait_for(lambda: set(rec.view.counts) == {(0, be(50))})
 

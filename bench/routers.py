@@ -21,11 +21,9 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import yaml
 
 from bench.fleet import Fleet
 from bench.peers import Peers
@@ -258,15 +256,6 @@ def kvroute_decision_reasons(url: str) -> dict[str, int] | None:
 BENCH_DECISIONS_BUFFER = 10_000
 
 
-def with_decisions_buffer(fleet: Fleet, out: Path) -> Fleet:
-    """`fleet` with its router config copied to ``out``, keeping ``BENCH_DECISIONS_BUFFER``
-    routing decisions (the default keeps the last 256)."""
-    config = yaml.safe_load(fleet.config_path.read_text(encoding="utf-8"))
-    config.setdefault("limits", {})["decisions_buffer"] = BENCH_DECISIONS_BUFFER
-    out.write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
-    return replace(fleet, config_path=out)
-
-
 def kvroute_decisions(url: str) -> list[dict[str, Any]] | None:
     """Every routing decision kvroute kept (``/admin/decisions``), oldest first, with the
     per-worker scores behind it."""
@@ -309,10 +298,13 @@ def start_router(
     """Start ``spec`` (on ``cpus`` only, when given) and wait until it serves the fleet's
     model."""
     port = free_port()
+    env = dict(spec.env)
+    if spec.kind == "kvroute":  # keep every decision of a trace (the default keeps 256)
+        env.setdefault("KVROUTE_LIMITS__DECISIONS_BUFFER", str(BENCH_DECISIONS_BUFFER))
     child = pg.start(
         f"router-{spec.name}",
         command(spec, port, fleet, peers),
-        env=dict(spec.env),
+        env=env,
         cwd=Path.cwd(),
         cpus=cpus,
     )

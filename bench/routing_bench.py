@@ -51,7 +51,6 @@ from bench.routers import (
     kvroute_decisions,
     kvroute_predictions,
     start_router,
-    with_decisions_buffer,
 )
 from bench.stats import summarize
 from bench.textgen import TokenSpace
@@ -180,8 +179,6 @@ def run_router(cfg: BenchConfig, profile: str, name: str, run_dir: Path) -> dict
             if cfg.bridges == "router" and cfg.router_cpus is not None:
                 for pid in _bridge_pids(fleet):
                     pin_process(pid, cfg.router_cpus)
-            if spec.kind == "kvroute":
-                fleet = with_decisions_buffer(fleet, run_dir / f"{name}.router.yaml")
             router = start_router(pg, spec, fleet, peers, cpus=cfg.router_cpus)
         except RouterUnavailable as exc:
             return {**row, "status": "unavailable", "reason": str(exc)}

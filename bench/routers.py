@@ -97,6 +97,13 @@ ROUTERS: dict[str, RouterSpec] = {
             "ttft",
             (("KVROUTE_TOKENIZER__REMEMBER_ANSWERS", "false"),),
         ),
+        RouterSpec(
+            "kvroute-cold-hash",
+            "kvroute (default, cold requests on the session hash at any load, as before stop 23)",
+            "kvroute",
+            "ttft",
+            (("KVROUTE_POLICY__SESSION_SLACK_S", "1000000"),),
+        ),
         RouterSpec("kvroute-session", "kvroute session affinity", "kvroute", "session"),
         RouterSpec("kvroute-least-load", "kvroute least load", "kvroute", "least_load"),
         RouterSpec("kvroute-round-robin", "kvroute round robin", "kvroute", "round_robin"),

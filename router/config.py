@@ -137,6 +137,13 @@ class PolicyConfig:
     session_bounded_load: float = _f(
         1.25, "consistent hashing: a worker takes at most this factor times the mean load"
     )
+    session_slack_s: float = _f(
+        0.02,
+        "a request with no cache evidence follows its session's consistent hash only among "
+        "workers whose estimated TTFT is within this many seconds of the fastest: a cold "
+        "prompt gains nothing by waiting behind another worker's prefill (its next turn "
+        "follows the cache, not the hash); a large value = the hash with bounded load alone",
+    )
     virtual_nodes: int = _f(64, "consistent hashing: ring points per worker")
     hash_unit: int = _f(16, "index hash unit in tokens; must divide every group's block size")
     expect_seconds: float = _f(

@@ -302,11 +302,16 @@ class TTFTPolicy(Policy):
         )
 
     def _cold(self, cands: list[Candidate], req: RouteInput) -> tuple[Candidate, str, str]:
+        calm = [c for c in cands if not c.saturated] or cands
         if req.session_key is not None:
-            chosen = self.session.pick(cands, req.session_key)
+            # The hash keeps replicas agreeing and a fleet without events sticky, but only
+            # among the workers about as fast as the fastest: nothing here is cached, so
+            # waiting behind another prompt's prefill buys nothing.
+            fastest = min(c.est_ttft_s for c in calm) + self.cfg.session_slack_s
+            near = [c for c in calm if c.est_ttft_s <= fastest]
+            chosen = self.session.pick(near, req.session_key)
             if chosen is not None:
                 return chosen, SESSION, "no cache evidence; session affinity (bounded load)"
-        calm = [c for c in cands if not c.saturated] or cands
         chosen = least_load(calm, self.rotation)
         return chosen, LEAST_LOAD, "no cache evidence and no session key; least load"
 

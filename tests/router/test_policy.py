@@ -14,6 +14,7 @@ from router.policy import (
     ROUND_ROBIN,
     SESSION,
     SPILL,
+    Decision,
     LoadModel,
     RouteInput,
     home_worker,
@@ -136,6 +137,34 @@ def test_session_moves_off_an_overloaded_home() -> None:
         LoadTicket(home.worker.load, 0)
     moved = p.decide(ws, RouteInput(100, {}, "bob"), 0.0).chosen
     assert moved is not None and moved.name != home.name
+
+
+def cold_session_after_a_queue_at_home(queued: int, **kw: object) -> tuple[str, Decision]:
+    """Route a cold 2,000-token session request once (its hash's home), queue `queued`
+    prefill tokens at home and one running request everywhere else (so the hash's bounded
+    load sees equal counts), and route the session's next cold request: (home, decision)."""
+    cfg, lm = policy(prefill_tokens_per_s=10_000.0, saturation_queue_s=100.0, **kw)
+    p = make_policy(cfg, lm)
+    ws = fleet(3)
+    home = p.decide(ws, RouteInput(2000, {}, "carol"), 0.0).chosen
+    assert home is not None
+    for w in ws:
+        LoadTicket(w.load, queued if w is home.worker else 0)
+    return home.name, p.decide(ws, RouteInput(2000, {}, "carol"), 0.0)
+
+
+def test_cold_session_leaves_its_hash_for_a_worker_without_a_queued_prefill() -> None:
+    # 4,000 tokens queued at home: 0.4 s more than elsewhere
+    home, d = cold_session_after_a_queue_at_home(4000)
+    assert d.chosen is not None and d.chosen.name != home and d.reason == SESSION
+    by = {c.name: c for c in d.candidates}
+    assert by[home].est_ttft_s - d.chosen.est_ttft_s > PolicyConfig().session_slack_s
+    # within the slack (100 tokens: 10 ms) the hash still decides
+    home, d = cold_session_after_a_queue_at_home(100)
+    assert d.chosen is not None and d.chosen.name == home
+    # a large slack is the hash with bounded load alone, as before the slack existed
+    home, d = cold_session_after_a_queue_at_home(4000, session_slack_s=1e9)
+    assert d.chosen is not None and d.chosen.name == home
 
 
 def test_baseline_policies() -> None:

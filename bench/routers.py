@@ -104,6 +104,13 @@ ROUTERS: dict[str, RouterSpec] = {
             "ttft",
             (("KVROUTE_POLICY__SESSION_SLACK_S", "1000000"),),
         ),
+        RouterSpec(
+            "kvroute-measured-release",
+            "kvroute (default, queued prefill released at the measured prefill rate)",
+            "kvroute",
+            "ttft",
+            (("KVROUTE_LOAD__RELEASE_AT_MEASURED_RATE", "true"),),
+        ),
         RouterSpec("kvroute-session", "kvroute session affinity", "kvroute", "session"),
         RouterSpec("kvroute-least-load", "kvroute least load", "kvroute", "least_load"),
         RouterSpec("kvroute-round-robin", "kvroute round robin", "kvroute", "round_robin"),

@@ -215,6 +215,13 @@ class LoadConfig:
         "while a worker's scrapes show no other router's requests and KV usage clear of "
         "saturation, its scrape period doubles up to this (= metrics_interval_s: fixed period)",
     )
+    release_at_measured_rate: bool = _f(
+        False,
+        "a request's uncached prompt tokens count as queued on its worker until its first "
+        "byte or its estimated TTFT; with this on, that estimate is converted to wall time at "
+        "the prefill rate measured from streamed first bytes, so a fleet slower than "
+        "policy.prefill_tokens_per_s does not look idle while it is still prefilling",
+    )
 
 
 @dataclass(frozen=True, slots=True)

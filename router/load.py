@@ -168,6 +168,11 @@ class PrefillRateEstimate:
         self._sxy += x * y
         self._refit()
 
+    def wall_seconds(self, estimated_s: float, estimated_at_rate: float) -> float:
+        """`estimated_s` seconds of prefill estimated at `estimated_at_rate` tokens/s, in
+        wall time at the measured rate (the configured one until a fit exists)."""
+        return estimated_s * estimated_at_rate / self.value
+
     def _refit(self) -> None:
         n = len(self._samples)
         if n < self._min:

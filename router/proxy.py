@@ -175,6 +175,17 @@ class Proxy:
         self._ratelog = RateLimitedLog(log, interval_s=10.0)
         self._remember_answers = cfg.tokenizer.remember_answers
 
+    def _prefill_done_after(self, est_ttft_s: float) -> float:
+        """When a request's queued prefill is taken as done if no byte came back first: its
+        estimated TTFT, in wall time at the measured rate with `load.release_at_measured_rate`
+        (the estimate is at the configured rate unless the policy learns the rate itself)."""
+        rate = self._prefill_rate
+        policy = self._cfg.policy
+        measured = rate is not None and self._cfg.load.release_at_measured_rate
+        if rate is not None and measured and not policy.learn_prefill_rate:
+            est_ttft_s = rate.wall_seconds(est_ttft_s, policy.prefill_tokens_per_s)
+        return max(est_ttft_s, 0.001)
+
     @property
     def in_flight(self) -> int:
         return self._in_flight
@@ -378,7 +389,7 @@ class Proxy:
         # comes first. (Holding a stream's queued tokens until its first byte, the exact end
         # of prefill in vLLM, balanced load more and reused less on the routing benchmark.)
         prefill_timer = asyncio.get_running_loop().call_later(
-            max(cand.est_ttft_s, 0.001), ticket.prefill_done
+            self._prefill_done_after(cand.est_ttft_s), ticket.prefill_done
         )
         headers = req.headers
         if worker.url_shared:

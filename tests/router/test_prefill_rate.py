@@ -66,3 +66,13 @@ def test_the_load_model_converts_with_the_learned_rate() -> None:
     assert model.seconds_per_token() == pytest.approx(1 / 5_000)
     fixed = LoadModel(cfg, lambda: 1000.0, 5.0)
     assert fixed.seconds_per_token() == pytest.approx(1 / 20_000)
+
+
+def test_an_estimate_at_the_configured_rate_converts_to_wall_time_at_the_measured_one() -> None:
+    est = PrefillRateEstimate(20_000.0, window=64, min_samples=8)
+    assert est.wall_seconds(0.2, 20_000.0) == pytest.approx(0.2)  # no fit yet: unchanged
+    for i in range(64):
+        tokens = 500 + 100 * i
+        est.observe(tokens, tokens / 5000.0)  # the fleet prefills 4x slower than configured
+    # 4,000 tokens estimated at 0.2 s take 0.8 s here
+    assert est.wall_seconds(0.2, 20_000.0) == pytest.approx(0.8, rel=1e-6)

@@ -61,6 +61,7 @@ class Components:
     decisions: DecisionLog
     upstream: Upstream
     policy: Policy
+    prefill_rate: PrefillRateEstimate
 
 
 def tokenizer_specs(cfg: RouterConfig) -> tuple[dict[str, TokenizerSpec], TokenizerSpec | None]:
@@ -338,6 +339,17 @@ def create_app(
 
     app = RouterApp(dict(endpoints), routes=routes, lifespan=lifespan)
     app.state.kvroute = Components(
-        cfg, metrics, registry, index, events, routing, proxy, verifier, decisions, upstream, policy
+        cfg,
+        metrics,
+        registry,
+        index,
+        events,
+        routing,
+        proxy,
+        verifier,
+        decisions,
+        upstream,
+        policy,
+        prefill_rate,
     )
     return app

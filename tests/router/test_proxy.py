@@ -558,3 +558,37 @@ def test_stream_end_goes_out_with_the_last_event() -> None:
             assert b"".join(m["body"] for m in bodies) == direct.content
 
     run(go())
+
+
+def test_queued_prefill_is_held_for_the_measured_rates_wall_time() -> None:
+    """The prefill-done timer (no byte back from a hanging engine) releases a request's queued
+    tokens after its estimated TTFT; with load.release_at_measured_rate that estimate is
+    converted at the measured prefill rate, here 20x slower than the configured one."""
+
+    async def queued_after(release_at_measured_rate: bool) -> tuple[int, int]:
+        async with rig(
+            1,
+            policy={"prefill_tokens_per_s": 20_000.0},
+            load={"release_at_measured_rate": release_at_measured_rate},
+        ) as r:
+            r.engines["w0"].hang = True
+            for i in range(64):  # streams whose first bytes showed 1,000 tokens/s
+                r.parts.prefill_rate.observe(500 + 100 * i, (500 + 100 * i) / 1000.0)
+            prompt = "p" * 2000  # about 0.1 s at the configured rate, 2 s at the measured one
+            body = {"model": "m", "prompt": prompt, "max_tokens": 4}
+            task = asyncio.create_task(r.client.post("/v1/completions", json=body))
+            worker = r.parts.registry.get("w0")
+            assert worker is not None
+            load = worker.load
+            while not load.running:
+                await asyncio.sleep(0.01)
+            held = load.queued_prefill_tokens
+            await asyncio.sleep(0.5)
+            later = load.queued_prefill_tokens
+            task.cancel()
+            return held, later
+
+    held, later = run(queued_after(True))
+    assert held >= 2000 and later == held  # still prefilling at the measured rate
+    held, later = run(queued_after(False))
+    assert held >= 2000 and later == 0  # released at the configured rate's 0.1 s

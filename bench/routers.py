@@ -111,6 +111,13 @@ ROUTERS: dict[str, RouterSpec] = {
             "ttft",
             (("KVROUTE_LOAD__RELEASE_AT_MEASURED_RATE", "true"),),
         ),
+        RouterSpec(
+            "kvroute-home-bound",
+            "kvroute (default, home discount only up to 1.5x the mean running)",
+            "kvroute",
+            "ttft",
+            (("KVROUTE_POLICY__HOME_LOAD_BOUND", "1.5"),),
+        ),
         RouterSpec("kvroute-session", "kvroute session affinity", "kvroute", "session"),
         RouterSpec("kvroute-least-load", "kvroute least load", "kvroute", "least_load"),
         RouterSpec("kvroute-round-robin", "kvroute round robin", "kvroute", "round_robin"),

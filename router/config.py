@@ -97,6 +97,12 @@ class PolicyConfig:
         "requests got less cache than under smg, mostly second turns that moved and kept only "
         "the shared system prompt; at 1 ms, 3)",
     )
+    home_load_bound: float = _f(
+        0.0,
+        "the home's per-running discount (decode_s_per_running_home) holds only while the "
+        "home runs at most this many times the fleet's mean running requests; beyond it the "
+        "home is charged decode_s_per_running like any worker (0 = always discounted)",
+    )
     full_queue_without_reuse: bool = _f(
         True,
         "on a worker that reuses nothing of the request, count its queued prefill in full "

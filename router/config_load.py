@@ -275,6 +275,7 @@ def validate(c: RouterConfig) -> list[str]:
     need(p.queue_weight >= 0, "policy.queue_weight: expected >= 0")
     need(p.session_bounded_load >= 1, "policy.session_bounded_load: expected >= 1")
     need(p.session_slack_s >= 0, "policy.session_slack_s: expected >= 0")
+    need(p.home_load_bound >= 0, "policy.home_load_bound: expected >= 0")
     need(0 < p.kv_usage_saturation <= 1, "policy.kv_usage_saturation: expected in (0, 1]")
     need(p.max_running_per_worker >= 1, "policy.max_running_per_worker: expected >= 1")
     need(p.virtual_nodes >= 1, "policy.virtual_nodes: expected >= 1")

@@ -162,7 +162,20 @@ class LoadModel:
                     worker, r, uncached, running, queued, kv, est, saturated, step_wait_s=step_wait
                 )
             )
+        if home is not None and cfg.home_load_bound > 0:
+            _charge_a_crowded_home(out, home, cfg.home_load_bound, per_running - per_running_home)
         return out
+
+
+def _charge_a_crowded_home(cands: list[Candidate], home: str, bound: float, extra: float) -> None:
+    """Take back the home's per-running discount where the home runs more than `bound` times
+    the fleet's mean: a prefix only one worker holds (a tenant's system prompt) otherwise
+    draws every new conversation there, and their prefills evict the state of the ones
+    already there."""
+    mean = sum(c.running for c in cands) / len(cands)
+    for c in cands:
+        if c.name == home and c.running > bound * mean:
+            c.est_ttft_s += extra * c.running
 
 
 def home_worker(reuse: Mapping[str, int | None], margin: int) -> str | None:

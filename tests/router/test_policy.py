@@ -167,6 +167,29 @@ def test_cold_session_leaves_its_hash_for_a_worker_without_a_queued_prefill() ->
     assert d.chosen is not None and d.chosen.name == home
 
 
+def test_a_crowded_home_loses_its_discount_with_home_load_bound() -> None:
+    """A tenant's 1,200-token system prompt cached only on w0, which already runs 20
+    requests (the others 2): the home discount keeps drawing new conversations there unless
+    the bound takes it back."""
+
+    def chosen(bound: float) -> str:
+        cfg, lm = policy(home_load_bound=bound)
+        ws = fleet(4)
+        for w in ws:
+            for _ in range(20 if w.name == "w0" else 2):
+                LoadTicket(w.load, 0).prefill_done()
+        d = make_policy(cfg, lm).decide(ws, RouteInput(1400, {"w0": 1200}, None), 0.0)
+        assert d.chosen is not None
+        return d.chosen.name
+
+    # 1,200 tokens at 20k tok/s is 60 ms; 20 running at 1 ms (home) against 2 at 5 ms
+    assert chosen(0.0) == "w0"
+    # bound 1.5: w0 runs 20 > 1.5 x the mean 6.5, so 5 ms each: 110 ms against 80 ms
+    assert chosen(1.5) != "w0"
+    # a home within the bound keeps its discount
+    assert chosen(4.0) == "w0"
+
+
 def test_baseline_policies() -> None:
     ws = fleet(3)
     cfg, lm = policy("round_robin")

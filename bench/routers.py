@@ -105,11 +105,11 @@ ROUTERS: dict[str, RouterSpec] = {
             (("KVROUTE_POLICY__SESSION_SLACK_S", "1000000"),),
         ),
         RouterSpec(
-            "kvroute-measured-release",
-            "kvroute (default, queued prefill released at the measured prefill rate)",
+            "kvroute-configured-release",
+            "kvroute (default, queued prefill released at the configured rate, before stop 23)",
             "kvroute",
             "ttft",
-            (("KVROUTE_LOAD__RELEASE_AT_MEASURED_RATE", "true"),),
+            (("KVROUTE_LOAD__RELEASE_AT_MEASURED_RATE", "false"),),
         ),
         RouterSpec(
             "kvroute-home-bound",

@@ -385,9 +385,11 @@ class Proxy:
         ticket = LoadTicket(worker.load, cand.uncached)
         self._prompt_size.observe(cand.uncached)
         self._routing.expect(worker, prompt)
-        # The prefill is taken as done at the first byte or at the estimated TTFT, whichever
-        # comes first. (Holding a stream's queued tokens until its first byte, the exact end
-        # of prefill in vLLM, balanced load more and reused less on the routing benchmark.)
+        # The prefill is taken as done at the first byte or at the estimated TTFT (in wall
+        # time at the measured rate, `_prefill_done_after`), whichever comes first. (Holding
+        # a stream's queued tokens until its first byte, the exact end of prefill in vLLM,
+        # together with routing at the learned rate balanced load more and reused less on
+        # the routing benchmark.)
         prefill_timer = asyncio.get_running_loop().call_later(
             self._prefill_done_after(cand.est_ttft_s), ticket.prefill_done
         )

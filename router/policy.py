@@ -9,7 +9,8 @@ Estimated TTFT of a request on worker w (seconds):
         + decode_s_per_running * running(w)
         + step_wait_weight * step_wait(w)
 (decode_s_per_running_home instead on the request's home: the one worker whose reuse beats
-every other's by at least a hash unit, see `home_worker`)
+every other's by at least a hash unit, see `home_worker`, unless it runs more than
+`policy.home_load_bound` times the fleet's mean)
 where prefill_rate is `policy.prefill_tokens_per_s` (or, with `policy.learn_prefill_rate`, the
 rate measured from streamed first bytes), queued_prefill counts this process's in-flight
 prefill tokens plus the engine's other waiting requests at the learned mean size, and
@@ -320,8 +321,8 @@ class TTFTPolicy(Policy):
             # The hash keeps replicas agreeing and a fleet without events sticky, but only
             # among the workers about as fast as the fastest: nothing here is cached, so
             # waiting behind another prompt's prefill buys nothing.
-            fastest = min(c.est_ttft_s for c in calm) + self.cfg.session_slack_s
-            near = [c for c in calm if c.est_ttft_s <= fastest]
+            limit = min(c.est_ttft_s for c in calm) + self.cfg.session_slack_s
+            near = [c for c in calm if c.est_ttft_s <= limit]
             chosen = self.session.pick(near, req.session_key)
             if chosen is not None:
                 return chosen, SESSION, "no cache evidence; session affinity (bounded load)"

@@ -178,12 +178,11 @@ class Proxy:
     def _prefill_done_after(self, est_ttft_s: float) -> float:
         """When a request's queued prefill is taken as done if no byte came back first: its
         estimated TTFT, in wall time at the measured rate with `load.release_at_measured_rate`
-        (the estimate is at the configured rate unless the policy learns the rate itself)."""
+        (from whatever rate the load model estimated it at)."""
         rate = self._prefill_rate
-        policy = self._cfg.policy
-        measured = rate is not None and self._cfg.load.release_at_measured_rate
-        if rate is not None and measured and not policy.learn_prefill_rate:
-            est_ttft_s = rate.wall_seconds(est_ttft_s, policy.prefill_tokens_per_s)
+        if rate is not None and self._cfg.load.release_at_measured_rate:
+            estimated_at = 1.0 / self._routing.policy.load_model.seconds_per_token()
+            est_ttft_s = rate.wall_seconds(est_ttft_s, estimated_at)
         return max(est_ttft_s, 0.001)
 
     @property

@@ -580,7 +580,9 @@ def test_queued_prefill_is_held_for_the_measured_rates_wall_time() -> None:
             worker = r.parts.registry.get("w0")
             assert worker is not None
             load = worker.load
-            while not load.running:
+            for _ in range(500):  # the request reaches the worker's books (5 s at most)
+                if load.running:
+                    break
                 await asyncio.sleep(0.01)
             held = load.queued_prefill_tokens
             await asyncio.sleep(0.5)

@@ -118,6 +118,13 @@ ROUTERS: dict[str, RouterSpec] = {
             "ttft",
             (("KVROUTE_POLICY__HOME_LOAD_BOUND", "1.5"),),
         ),
+        RouterSpec(
+            "kvroute-true-rate",
+            "kvroute (default, told the simulated fleet's true prefill rate, 5,600 tokens/s)",
+            "kvroute",
+            "ttft",
+            (("KVROUTE_POLICY__PREFILL_TOKENS_PER_S", "5600"),),
+        ),
         RouterSpec("kvroute-session", "kvroute session affinity", "kvroute", "session"),
         RouterSpec("kvroute-least-load", "kvroute least load", "kvroute", "least_load"),
         RouterSpec("kvroute-round-robin", "kvroute round robin", "kvroute", "round_robin"),

@@ -112,11 +112,11 @@ ROUTERS: dict[str, RouterSpec] = {
             (("KVROUTE_LOAD__RELEASE_AT_MEASURED_RATE", "false"),),
         ),
         RouterSpec(
-            "kvroute-home-bound",
-            "kvroute (default, home discount only up to 1.5x the mean running)",
+            "kvroute-unbounded-home",
+            "kvroute (default, home discount at any load, as before stop 24)",
             "kvroute",
             "ttft",
-            (("KVROUTE_POLICY__HOME_LOAD_BOUND", "1.5"),),
+            (("KVROUTE_POLICY__HOME_LOAD_BOUND", "0"),),
         ),
         RouterSpec(
             "kvroute-true-rate",

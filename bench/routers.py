@@ -112,6 +112,14 @@ ROUTERS: dict[str, RouterSpec] = {
             (("KVROUTE_LOAD__RELEASE_AT_MEASURED_RATE", "false"),),
         ),
         RouterSpec(
+            "kvroute-configured-until-fit",
+            "kvroute (default, queued prefill released at the configured rate until the "
+            "measured rate's fit exists, before stop 24)",
+            "kvroute",
+            "ttft",
+            (("KVROUTE_LOAD__RELEASE_RATIO_UNTIL_FIT", "false"),),
+        ),
+        RouterSpec(
             "kvroute-unbounded-home",
             "kvroute (default, home discount at any load, as before stop 24)",
             "kvroute",

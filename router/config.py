@@ -234,6 +234,13 @@ class LoadConfig:
         "-197 ms within noise, 96.6% of the oracle's cached tokens instead of 94.6%; Mamba "
         "p99 -236 ms; dense level; bench/results/stop23)",
     )
+    release_ratio_until_fit: bool = _f(
+        True,
+        "until the measured rate's fit exists (32 streamed first bytes of spread sizes), that "
+        "conversion uses the plain ratio of the first bytes' tokens to their seconds so far "
+        "(which counts fixed overhead as prefill, so it holds longer) instead of the "
+        "configured rate: otherwise a freshly started router's first prefills vanish early",
+    )
 
 
 @dataclass(frozen=True, slots=True)

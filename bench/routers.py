@@ -112,12 +112,12 @@ ROUTERS: dict[str, RouterSpec] = {
             (("KVROUTE_LOAD__RELEASE_AT_MEASURED_RATE", "false"),),
         ),
         RouterSpec(
-            "kvroute-configured-until-fit",
-            "kvroute (default, queued prefill released at the configured rate until the "
-            "measured rate's fit exists, before stop 24)",
+            "kvroute-ratio-until-fit",
+            "kvroute (default, queued prefill released at the first bytes' plain ratio until "
+            "the measured rate's fit exists)",
             "kvroute",
             "ttft",
-            (("KVROUTE_LOAD__RELEASE_RATIO_UNTIL_FIT", "false"),),
+            (("KVROUTE_LOAD__RELEASE_RATIO_UNTIL_FIT", "true"),),
         ),
         RouterSpec(
             "kvroute-unbounded-home",

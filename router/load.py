@@ -162,7 +162,7 @@ class PrefillRateEstimate:
         configured: float,
         window: int = 512,
         min_samples: int = 32,
-        ratio_until_fit: bool = True,
+        ratio_until_fit: bool = False,
     ) -> None:
         self._configured = float(configured)
         self.value = float(configured)

@@ -81,7 +81,7 @@ def test_an_estimate_at_the_configured_rate_converts_to_wall_time_at_the_measure
 def test_before_a_fit_the_conversion_uses_the_first_bytes_plain_ratio() -> None:
     """A freshly started router has too few first bytes for a fit; its first requests'
     prefills are held at the ratio seen so far, not at a configured rate 4x too fast."""
-    est = PrefillRateEstimate(20_000.0, window=64, min_samples=32)
+    est = PrefillRateEstimate(20_000.0, window=64, min_samples=32, ratio_until_fit=True)
     assert est.wall_seconds(0.2, 20_000.0) == pytest.approx(0.2)  # no sample: configured
     est.observe(1000, 0.25)  # one chat: 1,000 tokens to its first byte in 0.25 s
     assert est.value == 20_000.0  # routing (learn_prefill_rate) still waits for the fit
@@ -97,6 +97,6 @@ def test_before_a_fit_the_conversion_uses_the_first_bytes_plain_ratio() -> None:
     assert est.value == pytest.approx(5000.0, rel=1e-3)
     assert est.wall_seconds(0.2, 20_000.0) == pytest.approx(0.8, rel=1e-3)
     # a ratio far off the configured rate is clamped like a fit (a factor of 100)
-    slow = PrefillRateEstimate(20_000.0, window=64, min_samples=32)
+    slow = PrefillRateEstimate(20_000.0, window=64, min_samples=32, ratio_until_fit=True)
     slow.observe(10, 50.0)
     assert slow.wall_seconds(0.2, 20_000.0) == pytest.approx(20.0)

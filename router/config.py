@@ -104,7 +104,8 @@ class PolicyConfig:
         "home is charged decode_s_per_running like any worker, so a prefix only one worker "
         "holds (a tenant's system prompt) does not draw every new conversation onto it "
         "(0 = always discounted; benchmark, against 0, three seeds each: sliding window p50 "
-        "-4.0 ms and 2 points more cached, dense p50 -2.9 ms, Mamba level; bench/results/stop24)",
+        "-4.0 ms and 2 points more cached, bench/results/stop23; dense p50 -2.9 ms, Mamba "
+        "level, bench/results/stop24)",
     )
     full_queue_without_reuse: bool = _f(
         True,
@@ -240,8 +241,9 @@ class LoadConfig:
         "conversion uses the plain ratio of the first bytes' tokens to their seconds so far "
         "(which counts fixed overhead as prefill, so it holds longer) instead of the "
         "configured rate, so a freshly started router's first prefills do not vanish early; "
-        "off: measured worse (three seeds each: dense p50 +2.7 ms; sliding window p50 "
-        "+2.1 ms and p99 +431 ms within noise, one seed collapsed; bench/results/stop24)",
+        "off: measured no better (three seeds each: dense p50 +2.7 ms [+0.7, +4.4]; sliding "
+        "window p50 +2.1 ms and p99 +431 ms within noise, one seed collapsed; "
+        "bench/results/stop24)",
     )
 
 

@@ -135,8 +135,9 @@ class PrefillRateEstimate:
     first byte is the time to prefill the tokens ahead of it plus its own uncached tokens.
     Over the last `window` samples this fits first-byte seconds = a + tokens / rate by least
     squares (a absorbs step overhead and decode interference) and reports the rate; until
-    `min_samples` samples with spread in their sizes exist, or when the fit is not positive,
-    the configured rate stands. Bounded: a fixed window of (tokens, seconds) pairs.
+    `min_samples` samples with spread in their sizes exist the configured rate stands, and
+    when a later refit is not positive the last good fit stands. Bounded: a fixed window of
+    (tokens, seconds) pairs.
 
     Wall-time conversions (`wall_seconds`) with `ratio_until_fit` use, until a fit exists, the
     plain ratio of the samples' tokens to their seconds: it counts the fixed overhead as

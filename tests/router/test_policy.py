@@ -298,6 +298,7 @@ def test_a_conversation_stays_home_despite_more_running_there() -> None:
         cfg, lm = policy(decode_s_per_running=0.005, decode_s_per_running_home=home_charge)
         d = make_policy(cfg, lm).decide(ws, follow_up, 0.0)
         # home charged 5 ms: 0.010 + 0.025 s on w0 vs 0.0172 + 0.010 s; at 1 ms: 0.015 s on w0
+        # (w0's 5 running are within home_load_bound: 1.5 x the mean 3.5)
         assert d.chosen is not None and d.chosen.name == expected, home_charge
     # A new conversation (only the shared system prompt cached) still spreads by running.
     cfg, lm = policy()

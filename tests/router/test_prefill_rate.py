@@ -100,3 +100,13 @@ def test_before_a_fit_the_conversion_uses_the_first_bytes_plain_ratio() -> None:
     slow = PrefillRateEstimate(20_000.0, window=64, min_samples=32, ratio_until_fit=True)
     slow.observe(10, 50.0)
     assert slow.wall_seconds(0.2, 20_000.0) == pytest.approx(20.0)
+
+
+def test_without_spread_in_sizes_the_ratio_stands_in_for_the_fit() -> None:
+    """Every first byte the same size: no slope can be fitted, however many there are, so the
+    ratio keeps converting (and routing keeps the configured rate)."""
+    est = PrefillRateEstimate(20_000.0, window=64, min_samples=32, ratio_until_fit=True)
+    for _ in range(100):
+        est.observe(2000, 0.5)
+    assert est.value == 20_000.0
+    assert est.wall_seconds(0.1, 20_000.0) == pytest.approx(0.5)  # 2,000 tokens at 4,000/s

@@ -112,14 +112,6 @@ ROUTERS: dict[str, RouterSpec] = {
             (("KVROUTE_LOAD__RELEASE_AT_MEASURED_RATE", "false"),),
         ),
         RouterSpec(
-            "kvroute-ratio-until-fit",
-            "kvroute (default, queued prefill released at the first bytes' plain ratio until "
-            "the measured rate's fit exists)",
-            "kvroute",
-            "ttft",
-            (("KVROUTE_LOAD__RELEASE_RATIO_UNTIL_FIT", "true"),),
-        ),
-        RouterSpec(
             "kvroute-unbounded-home",
             "kvroute (default, home discount at any load, as before stop 24)",
             "kvroute",

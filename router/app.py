@@ -184,9 +184,7 @@ def create_app(
     registry.listen(events)
     verifier = Verifier(cfg.verify, metrics, events.resync, clock)
     prompt_size = PromptSizeEstimate(cfg.policy.avg_prompt_tokens)
-    prefill_rate = PrefillRateEstimate(
-        cfg.policy.prefill_tokens_per_s, ratio_until_fit=cfg.load.release_ratio_until_fit
-    )
+    prefill_rate = PrefillRateEstimate(cfg.policy.prefill_tokens_per_s)
     stale_after = max(5.0, 3 * cfg.load.metrics_interval_s)
     load_model = LoadModel(
         cfg.policy,

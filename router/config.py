@@ -235,16 +235,6 @@ class LoadConfig:
         "-197 ms within noise, 96.6% of the oracle's cached tokens instead of 94.6%; Mamba "
         "p99 -236 ms; dense level; bench/results/stop23)",
     )
-    release_ratio_until_fit: bool = _f(
-        False,
-        "until the measured rate's fit exists (32 streamed first bytes of spread sizes), that "
-        "conversion uses the plain ratio of the first bytes' tokens to their seconds so far "
-        "(which counts fixed overhead as prefill, so it holds longer) instead of the "
-        "configured rate, so a freshly started router's first prefills do not vanish early; "
-        "off: measured no better (three seeds each: dense p50 +2.7 ms [+0.7, +4.4]; sliding "
-        "window p50 +2.1 ms and p99 +431 ms within noise, one seed collapsed; "
-        "bench/results/stop24)",
-    )
 
 
 @dataclass(frozen=True, slots=True)

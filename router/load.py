@@ -138,37 +138,13 @@ class PrefillRateEstimate:
     `min_samples` samples with spread in their sizes exist the configured rate stands, and
     when a later refit is not positive the last good fit stands. Bounded: a fixed window of
     (tokens, seconds) pairs.
-
-    Wall-time conversions (`wall_seconds`) with `ratio_until_fit` use, until a fit exists, the
-    plain ratio of the samples' tokens to their seconds: it counts the fixed overhead as
-    prefill, so it errs toward a longer time, where the configured rate can be several times
-    too fast for a freshly started router's first requests.
     """
 
-    __slots__ = (
-        "_configured",
-        "_fitted",
-        "_min",
-        "_ratio_until_fit",
-        "_samples",
-        "_sx",
-        "_sxx",
-        "_sxy",
-        "_sy",
-        "value",
-    )
+    __slots__ = ("_configured", "_min", "_samples", "_sx", "_sxx", "_sxy", "_sy", "value")
 
-    def __init__(
-        self,
-        configured: float,
-        window: int = 512,
-        min_samples: int = 32,
-        ratio_until_fit: bool = False,
-    ) -> None:
+    def __init__(self, configured: float, window: int = 512, min_samples: int = 32) -> None:
         self._configured = float(configured)
         self.value = float(configured)
-        self._fitted = False
-        self._ratio_until_fit = ratio_until_fit
         self._samples: deque[tuple[float, float]] = deque(maxlen=window)
         self._min = min_samples
         # running sums over the window, so a refit costs O(1) on the request path
@@ -195,13 +171,8 @@ class PrefillRateEstimate:
 
     def wall_seconds(self, estimated_s: float, estimated_at_rate: float) -> float:
         """`estimated_s` seconds of prefill estimated at `estimated_at_rate` tokens/s, in
-        wall time at the measured rate (until a fit exists: the samples' plain ratio with
-        `ratio_until_fit`, else, and before any sample, the configured rate)."""
-        rate = self.value
-        if not self._fitted and self._ratio_until_fit and self._sy > 0.0:
-            c = self._configured
-            rate = min(max(self._sx / self._sy, c / 100), c * 100)
-        return estimated_s * estimated_at_rate / rate
+        wall time at the measured rate (the configured one until a fit exists)."""
+        return estimated_s * estimated_at_rate / self.value
 
     def _refit(self) -> None:
         n = len(self._samples)
@@ -217,7 +188,6 @@ class PrefillRateEstimate:
             return
         # stay within a factor of 100 of the configured rate: a wild fit must not route
         self.value = min(max(1.0 / slope, self._configured / 100), self._configured * 100)
-        self._fitted = True
 
 
 def parse_engine_metrics(text: str, dp_rank: int) -> tuple[float, float, float | None] | None:

@@ -76,37 +76,3 @@ def test_an_estimate_at_the_configured_rate_converts_to_wall_time_at_the_measure
         est.observe(tokens, tokens / 5000.0)  # the fleet prefills 4x slower than configured
     # 4,000 tokens estimated at 0.2 s take 0.8 s here
     assert est.wall_seconds(0.2, 20_000.0) == pytest.approx(0.8, rel=1e-6)
-
-
-def test_before_a_fit_the_conversion_uses_the_first_bytes_plain_ratio() -> None:
-    """A freshly started router has too few first bytes for a fit; its first requests'
-    prefills are held at the ratio seen so far, not at a configured rate 4x too fast."""
-    est = PrefillRateEstimate(20_000.0, window=64, min_samples=32, ratio_until_fit=True)
-    assert est.wall_seconds(0.2, 20_000.0) == pytest.approx(0.2)  # no sample: configured
-    est.observe(1000, 0.25)  # one chat: 1,000 tokens to its first byte in 0.25 s
-    assert est.value == 20_000.0  # routing (learn_prefill_rate) still waits for the fit
-    # 4,000 tokens estimated at 0.2 s take 1.0 s at 4,000 tokens/s
-    assert est.wall_seconds(0.2, 20_000.0) == pytest.approx(1.0)
-    off = PrefillRateEstimate(20_000.0, window=64, min_samples=32, ratio_until_fit=False)
-    off.observe(1000, 0.25)
-    assert off.wall_seconds(0.2, 20_000.0) == pytest.approx(0.2)
-    # once the fit exists it replaces the ratio (5,000 tokens/s plus 50 ms of overhead)
-    for i in range(40):
-        tokens = 500 + 100 * i
-        est.observe(tokens, 0.05 + tokens / 5000.0)
-    assert est.value == pytest.approx(5000.0, rel=1e-3)
-    assert est.wall_seconds(0.2, 20_000.0) == pytest.approx(0.8, rel=1e-3)
-    # a ratio far off the configured rate is clamped like a fit (a factor of 100)
-    slow = PrefillRateEstimate(20_000.0, window=64, min_samples=32, ratio_until_fit=True)
-    slow.observe(10, 50.0)
-    assert slow.wall_seconds(0.2, 20_000.0) == pytest.approx(20.0)
-
-
-def test_without_spread_in_sizes_the_ratio_stands_in_for_the_fit() -> None:
-    """Every first byte the same size: no slope can be fitted, however many there are, so the
-    ratio keeps converting (and routing keeps the configured rate)."""
-    est = PrefillRateEstimate(20_000.0, window=64, min_samples=32, ratio_until_fit=True)
-    for _ in range(100):
-        est.observe(2000, 0.5)
-    assert est.value == 20_000.0
-    assert est.wall_seconds(0.1, 20_000.0) == pytest.approx(0.5)  # 2,000 tokens at 4,000/s

@@ -125,6 +125,16 @@ ROUTERS: dict[str, RouterSpec] = {
             "ttft",
             (("KVROUTE_POLICY__PREFILL_TOKENS_PER_S", "5600"),),
         ),
+        RouterSpec(
+            "kvroute-junction-any-prefix",
+            "kvroute (default, junction credit 0.5 for any covered prefix, as before stop 25)",
+            "kvroute",
+            "ttft",
+            (
+                ("KVROUTE_POLICY__JUNCTION_SHARED_ONLY", "false"),
+                ("KVROUTE_POLICY__AFFINITY_WEIGHT", "0.5"),
+            ),
+        ),
         RouterSpec("kvroute-session", "kvroute session affinity", "kvroute", "session"),
         RouterSpec("kvroute-least-load", "kvroute least load", "kvroute", "least_load"),
         RouterSpec("kvroute-round-robin", "kvroute round robin", "kvroute", "round_robin"),

@@ -136,11 +136,22 @@ class PolicyConfig:
         True, "when the best worker is saturated, send the request to the best unsaturated one"
     )
     affinity_weight: float = _f(
-        0.5,
+        1.5,
         "hybrid models: credit a worker this fraction of the prefill time of the prompt tokens "
         "its full-attention blocks hold beyond its reuse (vLLM saves sliding-window/Mamba state "
         "at that junction when it serves the request there, so later requests sharing the "
         "prefix reuse it); 0 = greedy on reuse now",
+    )
+    junction_shared_only: bool = _f(
+        True,
+        "hybrid models: credit a junction only for the prompt tokens another session asked "
+        "for (a conversation's own history is stored at its prompt's end wherever it is "
+        "served) and beyond the fleet's best reuse (below it the junction is a second copy)",
+    )
+    sharing_max_keys: int = _f(
+        262_144,
+        "how many prompt index keys the router remembers as asked for by which session "
+        "(for junction_shared_only; the oldest are forgotten first)",
     )
     session_header: str = _f("x-session-id", "request header holding the session key")
     session_field: str = _f("user", "request body field holding the session key")

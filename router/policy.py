@@ -52,7 +52,9 @@ class Candidate:
     kv_usage: float | None
     est_ttft_s: float
     saturated: bool
-    affinity: int = 0  # full-attention prompt tokens beyond the reuse (a junction saved there)
+    # full-attention prompt tokens a junction saved here would make reusable beyond the
+    # fleet's best reuse (TTFTPolicy._junction_credit)
+    affinity: int = 0
     step_wait_s: float = 0.0  # expected wait for the worker's step in flight (in est_ttft_s)
 
     @property
@@ -82,6 +84,8 @@ class RouteInput:
     # full-attention coverage of the workers with sliding-window or Mamba groups (missing:
     # the same as the reuse); see TTFTPolicy._junction_credit
     coverage: Mapping[str, int] | None = None
+    # prompt tokens other sessions asked for (`router.prefix_sharing`; None: not known, all)
+    shared: int | None = None
 
 
 class LoadModel:
@@ -337,16 +341,26 @@ class TTFTPolicy(Policy):
         becomes reusable there once a request sharing it is served there (vLLM saves the
         state at the junction). Greedy "most reuse now" never makes that investment, so
         the next requests sharing the prefix keep paying for it; `affinity_weight` is the
-        fraction of those tokens' prefill time credited. Sets `Candidate.affinity`."""
+        fraction of those tokens' prefill time credited. With `junction_shared_only` only
+        the tokens other sessions asked for (`RouteInput.shared`) beyond the fleet's best
+        reuse count. Sets `Candidate.affinity`."""
         weight = self.cfg.affinity_weight
         coverage = req.coverage
         if not coverage or weight <= 0:
             return 0.0
-        n = req.n_tokens
+        limit = req.n_tokens
+        floor = 0
+        if self.cfg.junction_shared_only:
+            # Worth it only where other conversations will branch off (see
+            # router.prefix_sharing) and beyond what a worker reuses already: a junction
+            # below the fleet's best reuse is a second copy, which the load terms price.
+            if req.shared is not None:
+                limit = min(limit, req.shared)
+            floor = max((c.reuse or 0 for c in cands), default=0)
         for c in cands:
             covered = coverage.get(c.name)
             if covered:
-                c.affinity = max(0, min(covered, n) - (c.reuse or 0))
+                c.affinity = max(0, min(covered, limit) - max(c.reuse or 0, floor))
         return weight * self.load_model.seconds_per_token()
 
 

@@ -19,7 +19,15 @@ from router.errors import NO_WORKER, TOKENIZE, UNKNOWN_MODEL, RouterError
 from router.index_view import IndexView
 from router.metrics import RouterMetrics
 from router.openai_request import CHAT, ClientRequest, skips_prefix_cache
-from router.policy import Decision, FullAttentionOnlyPolicy, Policy, RouteInput, session_key
+from router.policy import (
+    Decision,
+    FullAttentionOnlyPolicy,
+    Policy,
+    RouteInput,
+    session_key,
+    uses_cache,
+)
+from router.prefix_sharing import PrefixSharing
 from router.tokenize.ratelog import RateLimitedLog
 from router.workers import ModelRoute, Worker, WorkerRegistry
 
@@ -109,6 +117,12 @@ class Routing:
         self._fa_only = isinstance(policy, FullAttentionOnlyPolicy)
         self._decision_hist = metrics.decision_seconds
         self._decision_count = metrics.decisions
+        # who asked for which prefix, for the junction credit (only the TTFT policy uses it)
+        self._sharing = (
+            PrefixSharing(cfg.hash_unit, cfg.sharing_max_keys)
+            if cfg.junction_shared_only and cfg.affinity_weight > 0 and uses_cache(policy)
+            else None
+        )
 
     def resolve_model(self, req: ClientRequest) -> ModelRoute:
         """The request's model; a missing model is fine when the fleet serves exactly one."""
@@ -277,6 +291,10 @@ class Routing:
                 f"no healthy worker can serve model `{route.name}` right now",
                 retry_after=self._retry_after,
             )
+        if self._sharing is not None and prompt.cacheable:
+            keys = self.keys(prompt)
+            if keys is not None:
+                self._sharing.note(keys, _owner(decision.session_key))
         return decision
 
     def route_input(
@@ -284,7 +302,12 @@ class Routing:
     ) -> RouteInput:
         """What the policy sees of this request (the proxy and /admin/score alike)."""
         key = session_key(req.header_map, req.body, self.cfg)
-        return RouteInput(prompt.n_tokens, reuse, key, prompt.coverage)
+        shared = None
+        if self._sharing is not None and prompt.coverage:
+            keys = self.keys(prompt)
+            if keys is not None:
+                shared = self._sharing.shared_tokens(keys, _owner(key))
+        return RouteInput(prompt.n_tokens, reuse, key, prompt.coverage, shared)
 
     def expect(self, worker: Worker, prompt: Prompt) -> None:
         """Credit the chosen worker with this prompt until its events arrive (or expiry).
@@ -310,3 +333,8 @@ class Routing:
             except Exception as exc:
                 self._ratelog.error("expect", "index expectation failed: %r", exc)
                 self._metrics.child(self._metrics.errors, "index").inc()
+
+
+def _owner(session: str | None) -> object:
+    """Who asks for a prompt: its session, or (without a session key) the request alone."""
+    return session if session is not None else object()

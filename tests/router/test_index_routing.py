@@ -37,7 +37,9 @@ def store(group: int, kind: str, n_blocks: int, *, window: int = 0, salt: str = 
 
 @contextlib.asynccontextmanager
 async def fleet(
-    views: dict[str, list[Any]], policy: str = "ttft", models: list[dict[str, Any]] | None = None
+    views: dict[str, list[Any]],
+    policy: str | dict[str, Any] = "ttft",
+    models: list[dict[str, Any]] | None = None,
 ) -> AsyncIterator[Rig]:
     """Fake engines w0..wn, each with a bridge whose cache holds `views[name]`."""
     bridges = {name: FakeBridge() for name in views}
@@ -163,13 +165,26 @@ JUNCTION = {
 
 def test_junction_credit_invests_where_full_attention_holds_more() -> None:
     async def go() -> None:
-        async with fleet(JUNCTION) as r:
+        # no expectations: the request sent below must not change what the index predicts
+        async with fleet(JUNCTION, policy={"name": "ttft", "expect_seconds": 0}) as r:
             ans = await score(r)
             by = {w["worker"]: w for w in ans["workers"]}
             assert (by["w0"]["predicted_reuse"], by["w1"]["predicted_reuse"]) == (128, 512)
-            # 128 + 0.5 * 896 credited tokens beat 512
+            # no other session has asked for this prompt: no junction is worth investing in
+            assert ans["chosen"] == "w1" and ans["reason"] == "cache", ans
+            assert by["w0"]["affinity_tokens"] == 0
+            # another session asks for it (served on w1, where it reuses most)
+            body = {"model": "m", "prompt": PROMPT, "max_tokens": 1, "user": "another"}
+            sent = await r.client.post("/v1/completions", json=body)
+            assert sent.status_code == 200, sent.text
+            chosen = r.parts.decisions.recent(1)[0].decision.chosen
+            assert chosen is not None and chosen.name == "w1"
+            ans = await score(r)
+            by = {w["worker"]: w for w in ans["workers"]}
+            # w0's junction at 1024 would make 512 tokens beyond w1's reuse reusable:
+            # 128 + 1.5 * 512 credited tokens beat 512
             assert ans["chosen"] == "w0" and ans["reason"] == "affinity", ans
-            assert by["w0"]["affinity_tokens"] == 1024 - 128
+            assert by["w0"]["affinity_tokens"] == 1024 - 512
             assert by["w1"]["affinity_tokens"] == 0
 
     asyncio.run(go())

@@ -260,13 +260,13 @@ def test_affinity_when_nothing_is_reusable() -> None:
     cfg0, lm0 = policy(affinity_weight=0.0)
     d = make_policy(cfg0, lm0).decide(ws, RouteInput(4000, {}, None, coverage), 0.0)
     assert d.reason == "least_load"
-    # with reuse somewhere: w1 reuses less now but would store the junction at 3500
-    # (0.5 * 3500 tokens of credit outweigh its 1000 extra uncached tokens)
+    # with reuse somewhere: w1 reuses less now but would store the junction at 3500, 2500
+    # beyond the fleet's best (0.5 * 2500 tokens of credit outweigh 1000 extra uncached)
     warm = {"w0": 1000, "w1": 0, "w2": 0}
     d = p.decide(fleet(3), RouteInput(4000, warm, None, {"w1": 3500}), 0.0)
     assert d.chosen is not None and d.chosen.name == "w1" and d.reason == "affinity"
-    assert d.chosen.affinity == 3500
-    # a junction only 1000 tokens beyond the best reuse is not worth 1000 extra now
+    assert d.chosen.affinity == 2500
+    # a junction only 500 tokens beyond the best reuse is not worth 1000 extra now
     d = p.decide(fleet(3), RouteInput(4000, warm, None, {"w1": 1500}), 0.0)
     assert d.chosen is not None and d.chosen.name == "w0" and d.reason == "cache"
     # coverage equal to the reuse earns nothing; weight 0 is greedy on reuse now
@@ -274,6 +274,35 @@ def test_affinity_when_nothing_is_reusable() -> None:
     assert d.chosen is not None and d.chosen.name == "w0" and d.chosen.affinity == 0
     d = make_policy(cfg0, lm0).decide(fleet(3), RouteInput(4000, warm, None, {"w1": 3500}), 0.0)
     assert d.chosen is not None and d.chosen.name == "w0" and d.reason == "cache"
+
+
+def test_junction_credit_is_for_what_others_share_beyond_the_fleets_best() -> None:
+    cfg, lm = policy(affinity_weight=2.0)
+    p = make_policy(cfg, lm)
+    # w0 reuses 3,000 already: a junction at 3,500 on w1 makes only 500 more reusable, and
+    # 2 * 500 tokens of credit do not pay for 3,000 extra uncached now
+    d = p.decide(
+        fleet(3), RouteInput(4000, {"w0": 3000, "w1": 0, "w2": 0}, None, {"w1": 3500}), 0.0
+    )
+    assert d.chosen is not None and d.chosen.name == "w0" and d.reason == "cache"
+    assert {c.name: c.affinity for c in d.candidates} == {"w0": 0, "w1": 500, "w2": 0}
+    cold = {"w0": 0, "w1": 0, "w2": 0}
+    # nothing of the prompt asked for by another session: its own history, no credit
+    d = p.decide(fleet(3), RouteInput(4000, cold, "s", {"w1": 3000}, shared=0), 0.0)
+    assert d.reason == "session" and all(c.affinity == 0 for c in d.candidates)
+    # other sessions asked for its first 2,000 tokens: credit for those only
+    d = p.decide(fleet(3), RouteInput(4000, cold, "s", {"w1": 3000}, shared=2000), 0.0)
+    assert d.chosen is not None and d.chosen.name == "w1" and d.reason == "affinity"
+    assert d.chosen.affinity == 2000
+    # the rule before: any covered prefix, counted from the worker's own reuse
+    old_cfg, old_lm = policy(affinity_weight=2.0, junction_shared_only=False)
+    old = make_policy(old_cfg, old_lm)
+    d = old.decide(fleet(3), RouteInput(4000, cold, "s", {"w1": 3000}, shared=0), 0.0)
+    assert d.chosen is not None and d.chosen.name == "w1" and d.chosen.affinity == 3000
+    d = old.decide(
+        fleet(3), RouteInput(4000, {"w0": 3000, "w1": 0, "w2": 0}, None, {"w1": 3500}), 0.0
+    )
+    assert d.chosen is not None and d.chosen.name == "w1" and d.chosen.affinity == 3500
 
 
 def test_home_worker_is_the_unique_best_by_a_margin() -> None:
@@ -313,16 +342,17 @@ def test_a_cold_request_waits_a_queue_in_full() -> None:
     cfg, lm = policy()
     ws = fleet(2)
     LoadTicket(ws[0].load, 6900)  # another cold 6,900-token prefill in flight on w0
-    req = RouteInput(6900, {"w0": 0, "w1": 0}, None, {"w0": 6800})
+    # an agent's own history: other sessions asked only for its first 2,500 tokens
+    req = RouteInput(6900, {"w0": 0, "w1": 0}, None, {"w0": 6800}, shared=2500)
     d = make_policy(cfg, lm).decide(ws, req, 0.0)
-    # w0: 6,900 queued + 6,900 own (+ 5 ms for the running one), less 0.5 * 6,800 tokens of
-    # junction credit = 10,400 tokens; w1: 6,900
+    # w0: 6,900 queued + 6,900 own (+ 5 ms for the running one), less 1.5 * 2,500 tokens of
+    # junction credit = 10,150 tokens; w1: 6,900
     assert d.chosen is not None and d.chosen.name == "w1"
     by = {c.name: c.est_ttft_s for c in d.candidates}
     assert abs(by["w0"] - (13_800 / 20_000 + 0.005)) < 1e-9
     off, lm_off = policy(full_queue_without_reuse=False)
     d = make_policy(off, lm_off).decide(ws, req, 0.0)
-    # the old weighting: 0.25 * 6,900 + 6,900 - 3,400 = 5,225 tokens, under w1's 6,900
+    # the old weighting: 0.25 * 6,900 + 6,900 + 100 - 3,750 = 4,975 tokens, under w1's 6,900
     assert d.chosen is not None and d.chosen.name == "w0" and d.reason == "affinity"
     # with reuse there the queue keeps its weight (a request stays with its cache)
     warm = RouteInput(6900, {"w0": 3000, "w1": 0}, None)

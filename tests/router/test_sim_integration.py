@@ -148,6 +148,38 @@ def test_affinity_keeps_a_shared_prefix_together_on_a_hybrid_model() -> None:
     asyncio.run(go())
 
 
+def test_junction_credit_only_for_a_prefix_another_session_asked_for() -> None:
+    """A conversation's own history earns no junction credit (wherever its next request is
+    served, vLLM keeps the state at that prompt's end); a prefix another session asked for
+    does."""
+    base = LONG[: len(LONG) * 8 // 10]
+    shorter = LONG[: len(LONG) * 6 // 10]
+
+    async def go() -> None:
+        async with sim_fleet(3, profile="swa") as r:
+
+            async def send(prompt: str, user: str) -> tuple[str, int, str, int]:
+                body = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "user": user}
+                resp = await r.client.post("/v1/completions", json=body)
+                cached = resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+                decision = r.parts.decisions.recent(1)[0].decision
+                assert decision.chosen is not None
+                await r.events_applied()
+                reason, affinity = decision.reason, decision.chosen.affinity
+                return resp.headers["x-kvroute-worker"], cached, reason, affinity
+
+            home, _, _, _ = await send(LONG, "alice")
+            # nothing reusable and no credit for her own prefix: the cold rule (her hash)
+            own = await send(base + " a question of her own", "alice")
+            assert own[1:] == (0, "session", 0)
+            # bob's prompt shares a prefix alice asked for, with no state at its end anywhere
+            other = await send(shorter + " bob's question", "bob")
+            assert other[:3] == (home, 0, "affinity")
+            assert other[3] > 0.7 * len(shorter) / 6
+
+    asyncio.run(go())
+
+
 def test_salted_and_lora_requests_stay_in_their_namespace() -> None:
     async def go() -> None:
         async with sim_fleet(3, engine={"lora_adapters": ("sql-lora",)}) as r:

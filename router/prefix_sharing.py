@@ -1,0 +1,71 @@
+"""Which prompt prefixes other sessions have asked for: the test that a junction is worth it.
+
+On hybrid models vLLM saves sliding-window and Mamba state where a request's full-attention
+blocks ended (a junction), so serving a request where full attention already holds its
+prefix makes that prefix reusable for the *next* request that shares it. That is worth
+paying for only when other conversations share the prefix (a tenant's system prompt, a
+hot document's burst). A conversation's own history gains nothing: wherever its turn is
+served, vLLM keeps the state at the end of that prompt, which is where the next turn
+branches.
+
+`PrefixSharing` remembers, per index key of prompts this router sent, the session that asked
+for it (or that several did). Bounded: the oldest keys are forgotten first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+_SHARED = object()  # asked for by at least two sessions
+
+
+class PrefixSharing:
+    def __init__(self, hash_unit: int, max_keys: int) -> None:
+        if max_keys < 1:
+            raise ValueError("max_keys must be >= 1")
+        self._unit = hash_unit
+        self._max = max_keys
+        self._owner: dict[int, object] = {}
+        self.forgotten = 0  # keys dropped at the bound
+
+    def __len__(self) -> int:
+        return len(self._owner)
+
+    def note(self, keys: Sequence[int], session: Hashable) -> None:
+        """Record that `session` asked for a prompt with these keys."""
+        owner = self._owner
+        setdefault = owner.setdefault
+        for k in keys:
+            seen = setdefault(k, session)
+            if seen is not session and seen is not _SHARED and seen != session:
+                owner[k] = _SHARED
+        excess = len(owner) - self._max
+        if excess > 0:
+            # dicts keep insertion order: the first keys are the oldest
+            for k in list(_first(owner, excess)):
+                del owner[k]
+            self.forgotten += excess
+
+    def shared_tokens(self, keys: Sequence[int], session: Hashable) -> int:
+        """Prompt tokens (a multiple of the hash unit) up to the last key that a session
+        other than `session` asked for. Keys chain their prefix, so the keys others asked
+        for are a leading run: found by bisection."""
+        owner = self._owner
+        lo, hi = 0, len(keys)  # keys[:lo] shared; keys[hi:] not
+        while lo < hi:
+            mid = (lo + hi) // 2
+            seen = owner.get(keys[mid])
+            if seen is not None and (seen is _SHARED or seen != session):
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo * self._unit
+
+
+def _first(d: dict[int, object], n: int) -> list[int]:
+    out = []
+    for k in d:
+        out.append(k)
+        if len(out) == n:
+            break
+    return out

@@ -146,9 +146,10 @@ class PolicyConfig:
     )
     junction_shared_only: bool = _f(
         True,
-        "hybrid models: credit a junction only for the prompt tokens another session asked "
-        "for (a conversation's own history is stored at its prompt's end wherever it is "
-        "served) and beyond the fleet's best reuse (below it the junction is a second copy)",
+        "hybrid models: no junction credit for a conversation's own history (the prompt "
+        "tokens from the first block only its session asked this router for: wherever it is "
+        "served, vLLM stores the state at its prompt's end) nor below the fleet's best reuse "
+        "(there the junction is a second copy)",
     )
     sharing_max_keys: int = _f(
         262_144,

@@ -84,8 +84,9 @@ class RouteInput:
     # full-attention coverage of the workers with sliding-window or Mamba groups (missing:
     # the same as the reuse); see TTFTPolicy._junction_credit
     coverage: Mapping[str, int] | None = None
-    # prompt tokens other sessions asked for (`router.prefix_sharing`; None: not known, all)
-    shared: int | None = None
+    # where the prompt becomes its conversation's own history (`router.prefix_sharing`;
+    # None: nothing of it known to be its own)
+    own_from: int | None = None
 
 
 class LoadModel:
@@ -342,8 +343,8 @@ class TTFTPolicy(Policy):
         state at the junction). Greedy "most reuse now" never makes that investment, so
         the next requests sharing the prefix keep paying for it; `affinity_weight` is the
         fraction of those tokens' prefill time credited. With `junction_shared_only` only
-        the tokens other sessions asked for (`RouteInput.shared`) beyond the fleet's best
-        reuse count. Sets `Candidate.affinity`."""
+        the tokens before the conversation's own history (`RouteInput.own_from`) beyond the
+        fleet's best reuse count. Sets `Candidate.affinity`."""
         weight = self.cfg.affinity_weight
         coverage = req.coverage
         if not coverage or weight <= 0:
@@ -354,8 +355,8 @@ class TTFTPolicy(Policy):
             # Worth it only where other conversations will branch off (see
             # router.prefix_sharing) and beyond what a worker reuses already: a junction
             # below the fleet's best reuse is a second copy, which the load terms price.
-            if req.shared is not None:
-                limit = min(limit, req.shared)
+            if req.own_from is not None:
+                limit = min(limit, req.own_from)
             floor = max((c.reuse or 0 for c in cands), default=0)
         for c in cands:
             covered = coverage.get(c.name)

@@ -9,7 +9,8 @@ served, vLLM keeps the state at the end of that prompt, which is where the next 
 branches.
 
 `PrefixSharing` remembers, per index key of prompts this router sent, the session that asked
-for it (or that several did). Bounded: the oldest keys are forgotten first.
+for it (or that several did), so the junction credit can stop where a prompt becomes its own
+conversation's history. Bounded: the oldest keys are forgotten first.
 """
 
 from __future__ import annotations
@@ -46,20 +47,31 @@ class PrefixSharing:
                 del owner[k]
             self.forgotten += excess
 
-    def shared_tokens(self, keys: Sequence[int], session: Hashable) -> int:
-        """Prompt tokens (a multiple of the hash unit) up to the last key that a session
-        other than `session` asked for. Keys chain their prefix, so the keys others asked
-        for are a leading run: found by bisection."""
+    def own_from(self, keys: Sequence[int], session: Hashable) -> int | None:
+        """Prompt tokens (a multiple of the hash unit) before the first key that only
+        `session` asked for: where the prompt becomes that conversation's own history.
+        None when no key is known to be its own (a new prompt, or one another replica
+        routed: credited as before this rule, so replicas agree on what they both do not
+        know). Keys chain their prefix, so the keys asked for are a leading run and, within
+        it, those only `session` asked for a trailing one: both found by bisection."""
         owner = self._owner
-        lo, hi = 0, len(keys)  # keys[:lo] shared; keys[hi:] not
+        lo, hi = 0, len(keys)  # keys[:lo] asked for; keys[hi:] not
         while lo < hi:
             mid = (lo + hi) // 2
-            seen = owner.get(keys[mid])
-            if seen is not None and (seen is _SHARED or seen != session):
+            if keys[mid] in owner:
                 lo = mid + 1
             else:
                 hi = mid
-        return lo * self._unit
+        asked = lo
+        lo, hi = 0, asked  # keys[:lo] asked for by someone else too; keys[hi:asked] only own
+        while lo < hi:
+            mid = (lo + hi) // 2
+            seen = owner[keys[mid]]
+            if seen is _SHARED or seen != session:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo * self._unit if lo < asked else None
 
 
 def _first(d: dict[int, object], n: int) -> list[int]:

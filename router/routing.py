@@ -302,12 +302,12 @@ class Routing:
     ) -> RouteInput:
         """What the policy sees of this request (the proxy and /admin/score alike)."""
         key = session_key(req.header_map, req.body, self.cfg)
-        shared = None
+        own_from = None
         if self._sharing is not None and prompt.coverage:
             keys = self.keys(prompt)
             if keys is not None:
-                shared = self._sharing.shared_tokens(keys, _owner(key))
-        return RouteInput(prompt.n_tokens, reuse, key, prompt.coverage, shared)
+                own_from = self._sharing.own_from(keys, _owner(key))
+        return RouteInput(prompt.n_tokens, reuse, key, prompt.coverage, own_from)
 
     def expect(self, worker: Worker, prompt: Prompt) -> None:
         """Credit the chosen worker with this prompt until its events arrive (or expiry).

@@ -170,21 +170,20 @@ def test_junction_credit_invests_where_full_attention_holds_more() -> None:
             ans = await score(r)
             by = {w["worker"]: w for w in ans["workers"]}
             assert (by["w0"]["predicted_reuse"], by["w1"]["predicted_reuse"]) == (128, 512)
-            # no other session has asked for this prompt: no junction is worth investing in
-            assert ans["chosen"] == "w1" and ans["reason"] == "cache", ans
-            assert by["w0"]["affinity_tokens"] == 0
-            # another session asks for it (served on w1, where it reuses most)
-            body = {"model": "m", "prompt": PROMPT, "max_tokens": 1, "user": "another"}
-            sent = await r.client.post("/v1/completions", json=body)
-            assert sent.status_code == 200, sent.text
-            chosen = r.parts.decisions.recent(1)[0].decision.chosen
-            assert chosen is not None and chosen.name == "w1"
-            ans = await score(r)
-            by = {w["worker"]: w for w in ans["workers"]}
             # w0's junction at 1024 would make 512 tokens beyond w1's reuse reusable:
             # 128 + 1.5 * 512 credited tokens beat 512
             assert ans["chosen"] == "w0" and ans["reason"] == "affinity", ans
             assert by["w0"]["affinity_tokens"] == 1024 - 512
             assert by["w1"]["affinity_tokens"] == 0
+            # a conversation asks for it; asking again, the prompt is its own history
+            body = {"model": "m", "prompt": PROMPT, "max_tokens": 1, "user": "alice"}
+            sent = await r.client.post("/v1/completions", json=body)
+            assert sent.status_code == 200, sent.text
+            ans = await score(r, user="alice")
+            assert ans["chosen"] == "w1" and ans["reason"] == "cache", ans
+            assert all(w["affinity_tokens"] == 0 for w in ans["workers"])
+            # for any other conversation it is a prefix another one asked for
+            ans = await score(r, user="bob")
+            assert ans["chosen"] == "w0" and ans["reason"] == "affinity", ans
 
     asyncio.run(go())

@@ -287,17 +287,17 @@ def test_junction_credit_is_for_what_others_share_beyond_the_fleets_best() -> No
     assert d.chosen is not None and d.chosen.name == "w0" and d.reason == "cache"
     assert {c.name: c.affinity for c in d.candidates} == {"w0": 0, "w1": 500, "w2": 0}
     cold = {"w0": 0, "w1": 0, "w2": 0}
-    # nothing of the prompt asked for by another session: its own history, no credit
-    d = p.decide(fleet(3), RouteInput(4000, cold, "s", {"w1": 3000}, shared=0), 0.0)
+    # the whole prompt is the conversation's own history: no credit
+    d = p.decide(fleet(3), RouteInput(4000, cold, "s", {"w1": 3000}, own_from=0), 0.0)
     assert d.reason == "session" and all(c.affinity == 0 for c in d.candidates)
-    # other sessions asked for its first 2,000 tokens: credit for those only
-    d = p.decide(fleet(3), RouteInput(4000, cold, "s", {"w1": 3000}, shared=2000), 0.0)
+    # its own history starts at 2,000 tokens (before: a prefix others asked for too)
+    d = p.decide(fleet(3), RouteInput(4000, cold, "s", {"w1": 3000}, own_from=2000), 0.0)
     assert d.chosen is not None and d.chosen.name == "w1" and d.reason == "affinity"
     assert d.chosen.affinity == 2000
     # the rule before: any covered prefix, counted from the worker's own reuse
     old_cfg, old_lm = policy(affinity_weight=2.0, junction_shared_only=False)
     old = make_policy(old_cfg, old_lm)
-    d = old.decide(fleet(3), RouteInput(4000, cold, "s", {"w1": 3000}, shared=0), 0.0)
+    d = old.decide(fleet(3), RouteInput(4000, cold, "s", {"w1": 3000}, own_from=0), 0.0)
     assert d.chosen is not None and d.chosen.name == "w1" and d.chosen.affinity == 3000
     d = old.decide(
         fleet(3), RouteInput(4000, {"w0": 3000, "w1": 0, "w2": 0}, None, {"w1": 3500}), 0.0
@@ -342,8 +342,8 @@ def test_a_cold_request_waits_a_queue_in_full() -> None:
     cfg, lm = policy()
     ws = fleet(2)
     LoadTicket(ws[0].load, 6900)  # another cold 6,900-token prefill in flight on w0
-    # an agent's own history: other sessions asked only for its first 2,500 tokens
-    req = RouteInput(6900, {"w0": 0, "w1": 0}, None, {"w0": 6800}, shared=2500)
+    # an agent's own history from 2,500 tokens (other sessions asked for the first 2,500)
+    req = RouteInput(6900, {"w0": 0, "w1": 0}, None, {"w0": 6800}, own_from=2500)
     d = make_policy(cfg, lm).decide(ws, req, 0.0)
     # w0: 6,900 queued + 6,900 own (+ 5 ms for the running one), less 1.5 * 2,500 tokens of
     # junction credit = 10,150 tokens; w1: 6,900

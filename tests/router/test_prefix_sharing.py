@@ -24,28 +24,30 @@ def prompt(*parts: tuple[int, int]) -> list[int]:
     return out
 
 
-def test_own_history_is_not_shared_but_another_sessions_prefix_is() -> None:
+def test_own_history_starts_where_only_the_session_asked() -> None:
     s = PrefixSharing(UNIT, 1000)
     history = prompt((1, 3), (2, 5))  # 3 units of system prompt, 5 of the conversation
     s.note(chain(history), "alice")
     follow_up = chain(history + prompt((3, 2)))
-    assert s.shared_tokens(follow_up, "alice") == 0
-    # bob's conversation shares only the system prompt with alice's
+    assert s.own_from(follow_up, "alice") == 0  # nobody else asked for any of it
+    # bob's conversation shares only the system prompt with alice's: none of it is his own
     bobs = chain(prompt((1, 3), (9, 4)))
-    assert s.shared_tokens(bobs, "bob") == 3 * UNIT
-    # alice asking for a prompt bob shares with her: the shared run counts for both
+    assert s.own_from(bobs, "bob") is None
     s.note(bobs, "bob")
-    assert s.shared_tokens(follow_up, "alice") == 3 * UNIT
-    assert s.shared_tokens(chain(prompt((1, 3), (9, 4), (5, 1))), "bob") == 3 * UNIT
+    # now the system prompt is shared: alice's own history starts after it, bob's too
+    assert s.own_from(follow_up, "alice") == 3 * UNIT
+    assert s.own_from(chain(prompt((1, 3), (9, 4), (5, 1))), "bob") == 3 * UNIT
 
 
-def test_requests_without_a_session_share_with_each_other() -> None:
+def test_requests_without_a_session_have_no_own_history() -> None:
     s = PrefixSharing(UNIT, 1000)
     doc = prompt((7, 10))
-    s.note(chain(doc + prompt((1, 1))), object())
-    assert s.shared_tokens(chain(doc + prompt((2, 1))), object()) == 10 * UNIT
-    assert s.shared_tokens(chain(prompt((8, 4))), object()) == 0  # never asked for
-    assert s.shared_tokens([], "x") == 0
+    first = object()
+    s.note(chain(doc + prompt((1, 1))), first)
+    assert s.own_from(chain(doc + prompt((2, 1))), object()) is None
+    assert s.own_from(chain(doc + prompt((1, 1))), first) == 0  # the same request again
+    assert s.own_from(chain(prompt((8, 4))), "x") is None  # never asked for
+    assert s.own_from([], "x") is None
 
 
 def test_the_oldest_keys_are_forgotten_at_the_bound() -> None:
@@ -54,9 +56,9 @@ def test_the_oldest_keys_are_forgotten_at_the_bound() -> None:
     s.note(first, "a")
     s.note(chain(prompt((2, 6))), "b")
     assert len(s) == 8 and s.forgotten == 4
-    # the first prompt's first four keys are gone, so the shared run ends before them
-    assert s.shared_tokens(first, "c") == 0
-    assert s.shared_tokens(chain(prompt((2, 6))), "c") == 6 * UNIT
+    # the first prompt's first four keys are gone: not known, so not "a"'s own
+    assert s.own_from(first, "a") is None
+    assert s.own_from(chain(prompt((2, 6))), "b") == 0
     with pytest.raises(ValueError):
         PrefixSharing(UNIT, 0)
 
@@ -86,8 +88,9 @@ def test_matches_a_model_of_sessions_per_prefix(
             for i in range(len(units)):
                 askers.setdefault(tuple(tokens[: (i + 1) * UNIT]), set()).add(owner)
         else:
-            expected = 0
+            expected = None
             for i in range(len(units)):
-                if askers.get(tuple(tokens[: (i + 1) * UNIT]), set()) - {owner}:
-                    expected = (i + 1) * UNIT
-            assert s.shared_tokens(keys, owner) == expected
+                if askers.get(tuple(tokens[: (i + 1) * UNIT])) == {owner}:
+                    expected = i * UNIT
+                    break
+            assert s.own_from(keys, owner) == expected

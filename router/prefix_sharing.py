@@ -16,6 +16,7 @@ conversation's history. Bounded: the oldest keys are forgotten first.
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
+from itertools import islice
 
 _SHARED = object()  # asked for by at least two sessions
 
@@ -43,7 +44,7 @@ class PrefixSharing:
         excess = len(owner) - self._max
         if excess > 0:
             # dicts keep insertion order: the first keys are the oldest
-            for k in list(_first(owner, excess)):
+            for k in list(islice(owner, excess)):
                 del owner[k]
             self.forgotten += excess
 
@@ -72,12 +73,3 @@ class PrefixSharing:
             else:
                 hi = mid
         return lo * self._unit if lo < asked else None
-
-
-def _first(d: dict[int, object], n: int) -> list[int]:
-    out = []
-    for k in d:
-        out.append(k)
-        if len(out) == n:
-            break
-    return out

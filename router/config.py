@@ -141,8 +141,9 @@ class PolicyConfig:
         "its full-attention blocks hold beyond its reuse (vLLM saves sliding-window/Mamba state "
         "at that junction when it serves the request there, so later requests sharing the "
         "prefix reuse it); 0 = greedy on reuse now. 1.5 keeps a hot-prefix burst on its "
-        "document's worker (bench/results/stop25: sliding window 0.5 -> 1.5 with "
-        "junction_shared_only: cached tokens 73.0% -> 76.2%, p50/p99 level)",
+        "document's worker (bench/results/stop25, sliding window: 1.5 with "
+        "junction_shared_only against 0.5 for any covered prefix, cached tokens 76.2% "
+        "against 73.0%, p50/p99 level)",
     )
     junction_shared_only: bool = _f(
         True,

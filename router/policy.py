@@ -282,8 +282,8 @@ class TTFTPolicy(Policy):
         self.rotation = _Rotation()
 
     def pick(self, cands: list[Candidate], req: RouteInput) -> tuple[Candidate, str, str]:
-        credit = self._junction_credit(cands, req)
         best_reuse = max((c.reuse or 0 for c in cands), default=0)
+        credit = self._junction_credit(cands, req, best_reuse)
         if best_reuse <= 0 and not any(c.affinity for c in cands):
             return self._cold(cands, req)
 
@@ -334,7 +334,7 @@ class TTFTPolicy(Policy):
         chosen = least_load(calm, self.rotation)
         return chosen, LEAST_LOAD, "no cache evidence and no session key; least load"
 
-    def _junction_credit(self, cands: list[Candidate], req: RouteInput) -> float:
+    def _junction_credit(self, cands: list[Candidate], req: RouteInput, best_reuse: int) -> float:
         """Seconds credited per full-attention token a worker holds beyond its reuse.
 
         On hybrid models vLLM keeps sliding-window and Mamba state only at replay boundaries
@@ -357,7 +357,7 @@ class TTFTPolicy(Policy):
             # below the fleet's best reuse is a second copy, which the load terms price.
             if req.own_from is not None:
                 limit = min(limit, req.own_from)
-            floor = max((c.reuse or 0 for c in cands), default=0)
+            floor = best_reuse
         for c in cands:
             covered = coverage.get(c.name)
             if covered:

@@ -15,6 +15,7 @@ conversation's history. Bounded: the oldest keys are forgotten first.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Hashable, Sequence
 from itertools import islice
 
@@ -39,7 +40,7 @@ class PrefixSharing:
         setdefault = owner.setdefault
         for k in keys:
             seen = setdefault(k, session)
-            if seen is not session and seen is not _SHARED and seen != session:
+            if seen is not _SHARED and seen != session:
                 owner[k] = _SHARED
         excess = len(owner) - self._max
         if excess > 0:
@@ -56,20 +57,8 @@ class PrefixSharing:
         know). Keys chain their prefix, so the keys asked for are a leading run and, within
         it, those only `session` asked for a trailing one: both found by bisection."""
         owner = self._owner
-        lo, hi = 0, len(keys)  # keys[:lo] asked for; keys[hi:] not
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if keys[mid] in owner:
-                lo = mid + 1
-            else:
-                hi = mid
-        asked = lo
-        lo, hi = 0, asked  # keys[:lo] asked for by someone else too; keys[hi:asked] only own
-        while lo < hi:
-            mid = (lo + hi) // 2
-            seen = owner[keys[mid]]
-            if seen is _SHARED or seen != session:
-                lo = mid + 1
-            else:
-                hi = mid
-        return lo * self._unit if lo < asked else None
+        # keys[:asked] were asked for (the predicate is False, then True)
+        asked = bisect_left(keys, True, key=lambda k: k not in owner)
+        # within them, those from `first_own` on were asked for by `session` alone
+        first_own = bisect_left(keys, True, 0, asked, key=lambda k: owner[k] == session)
+        return first_own * self._unit if first_own < asked else None

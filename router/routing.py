@@ -124,6 +124,11 @@ class Routing:
             else None
         )
 
+    @property
+    def remembered_prompt_keys(self) -> int:
+        """How many prompt keys the router remembers for the junction credit (0 when off)."""
+        return 0 if self._sharing is None else len(self._sharing)
+
     def resolve_model(self, req: ClientRequest) -> ModelRoute:
         """The request's model; a missing model is fine when the fleet serves exactly one."""
         name = req.model
@@ -291,7 +296,9 @@ class Routing:
                 f"no healthy worker can serve model `{route.name}` right now",
                 retry_after=self._retry_after,
             )
-        if self._sharing is not None and prompt.cacheable:
+        # Only prompts with hybrid coverage: a dense fleet (or the full-attention-only index)
+        # never uses the answer, and a block nobody noted is credited anyway.
+        if self._sharing is not None and prompt.coverage:
             keys = self.keys(prompt)
             if keys is not None:
                 self._sharing.note(keys, _owner(decision.session_key))

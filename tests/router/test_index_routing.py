@@ -137,6 +137,22 @@ def test_cache_salt_and_lora_are_separate_namespaces() -> None:
     asyncio.run(go())
 
 
+def test_prompts_are_remembered_for_the_junction_credit_only_on_hybrid_workers() -> None:
+    """Remembering who asked for a prompt costs 21 us per 6,000 tokens; a dense fleet never
+    uses it."""
+
+    async def go() -> None:
+        body = {"model": "m", "prompt": PROMPT, "max_tokens": 1, "user": "alice"}
+        async with fleet({"w0": [store(0, "full_attention", 8)], "w1": []}) as r:
+            assert (await r.client.post("/v1/completions", json=body)).status_code == 200
+            assert r.parts.routing.remembered_prompt_keys == 0
+        async with fleet(JUNCTION) as r:
+            assert (await r.client.post("/v1/completions", json=body)).status_code == 200
+            assert r.parts.routing.remembered_prompt_keys == len(PROMPT) // 16
+
+    asyncio.run(go())
+
+
 def test_expectation_sends_a_follow_up_to_the_same_worker() -> None:
     async def go() -> None:
         async with fleet({"w0": [], "w1": [], "w2": []}) as r:

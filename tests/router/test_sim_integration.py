@@ -168,6 +168,8 @@ def test_junction_credit_only_for_a_prefix_another_session_asked_for() -> None:
                 reason, affinity = decision.reason, decision.chosen.affinity
                 return resp.headers["x-kvroute-worker"], cached, reason, affinity
 
+            # the router remembers prompts once it knows the fleet is hybrid (its first events)
+            await send("an unrelated warm-up prompt " * 20, "warm-up")
             home, _, _, _ = await send(LONG, "alice")
             # nothing reusable and no credit for her own prefix: the cold rule (her hash)
             own = await send(base + " a question of her own", "alice")

@@ -251,7 +251,7 @@ def test_affinity_when_nothing_is_reusable() -> None:
     assert d.chosen is not None and d.chosen.name == "w1" and d.reason == "affinity"
     assert {c.name: c.affinity for c in d.candidates} == coverage
     # a busy w1 loses its affinity credit once its queue outweighs it
-    LoadTicket(ws[1].load, 40_000)  # 2 s of queued prefill vs 0.5 * 3000 tokens of credit
+    LoadTicket(ws[1].load, 40_000)  # 2 s of queued prefill vs 1.5 * 3000 tokens of credit
     d = p.decide(ws, RouteInput(4000, {}, None, coverage), 0.0)
     assert d.chosen is not None and d.chosen.name == "w2"
     # no coverage anywhere, or the feature off: session / least load as before
@@ -261,12 +261,13 @@ def test_affinity_when_nothing_is_reusable() -> None:
     d = make_policy(cfg0, lm0).decide(ws, RouteInput(4000, {}, None, coverage), 0.0)
     assert d.reason == "least_load"
     # with reuse somewhere: w1 reuses less now but would store the junction at 3500, 2500
-    # beyond the fleet's best (0.5 * 2500 tokens of credit outweigh 1000 extra uncached)
+    # beyond the fleet's best (1.5 * 2500 tokens of credit outweigh 1000 extra uncached)
     warm = {"w0": 1000, "w1": 0, "w2": 0}
     d = p.decide(fleet(3), RouteInput(4000, warm, None, {"w1": 3500}), 0.0)
     assert d.chosen is not None and d.chosen.name == "w1" and d.reason == "affinity"
     assert d.chosen.affinity == 2500
-    # a junction only 500 tokens beyond the best reuse is not worth 1000 extra now
+    # a junction only 500 tokens beyond the best reuse (1.5 * 500 = 750) is not worth 1000
+    # extra now
     d = p.decide(fleet(3), RouteInput(4000, warm, None, {"w1": 1500}), 0.0)
     assert d.chosen is not None and d.chosen.name == "w0" and d.reason == "cache"
     # coverage equal to the reuse earns nothing; weight 0 is greedy on reuse now

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-from collections.abc import Container, Iterator, Sequence
+from collections.abc import Container, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import compress, repeat
 
@@ -67,6 +67,7 @@ class FleetIndex:
         self._free: list[int] = []  # reusable indexes (a heap: keep bitsets short)
         self._plan: Plan | None = None
         self._unscored: dict[str, int | None] = {}  # each worker's answer before any hit
+        self._peer_layout: Layout | None = None  # see _expected_layout; set with the plan
         self._expectations = Expectations(max_expectations_per_worker, max_expected_keys)
 
     # -- workers and events -----------------------------------------------------------------
@@ -269,7 +270,7 @@ class FleetIndex:
         reuse (`reach_keys`), where vLLM will save sparse state for requests sharing it (at
         `Layout.junction_state`: a Mamba group keeps it at the block ending there)."""
         w = self._worker(worker_id)
-        layout = w.lineage.layout()
+        layout = self._expected_layout(w)
         alignment = layout.alignment if layout.usable else self.hash_unit
         if layout.usable:
             junction = layout.junction_state(junction)
@@ -284,20 +285,35 @@ class FleetIndex:
     def _credit(self, keys: Sequence[int], n_tokens: int) -> dict[int, int]:
         return self._expectations.credit(keys, n_tokens - 1, self.hash_unit, self._rule_of)
 
+    def _expected_layout(self, w: _Worker) -> Layout:
+        """The layout that judges what `w` will hold of the prompts expected there: its own
+        once its events report any group; before that (a worker just started, restarted,
+        or idle since the index began) the one layout every worker reporting groups shares.
+
+        Workers behind one router serve one model, and a burst's first prompt tends to go
+        to exactly such an idle worker: judged as unknown, the prefix it will hold earns
+        no junction credit there, and the burst's next request re-prefills it elsewhere.
+        Workers of different layouts (several models, a rolling upgrade) lend nothing."""
+        layout = w.lineage.layout()
+        if layout.groups:
+            return layout
+        self._current_plan()  # sets _peer_layout
+        return self._peer_layout or layout
+
     def _rule_of(self, index: int) -> tuple[bool, int]:
         """(all groups full attention, alignment) of a worker, for speculative credit."""
         name = self._names[index]
         assert name is not None
-        layout = self._workers[name].lineage.layout()
+        layout = self._expected_layout(self._workers[name])
         if not layout.usable:
             return False, self.hash_unit
         return all(u.rule is Rule.FULL for u in layout.units), layout.alignment
 
     def _junctions(self, name: str) -> bool:
-        """Whether the worker's events show full attention and sliding-window or Mamba
-        groups: the layout where serving a prefix full attention holds saves a junction
-        (the workers `reach_keys` reports coverage for)."""
-        layout = self._workers[name].lineage.layout()
+        """Whether the worker's layout (`_expected_layout`) has full attention and
+        sliding-window or Mamba groups: the layout where serving a prefix full attention
+        holds saves a junction (the workers `reach_keys` reports coverage for)."""
+        layout = self._expected_layout(self._workers[name])
         rules = {u.rule for u in layout.units}  # no units when the layout is unusable
         return Rule.FULL in rules and len(rules) > 1
 
@@ -306,6 +322,7 @@ class FleetIndex:
     def _current_plan(self) -> Plan:
         if self._plan is None:
             plan = build_plan({w.index: w.lineage.layout() for w in self._workers.values()})
+            self._peer_layout = _shared_layout(w.lineage.layout() for w in self._workers.values())
             # the answer before any hit: 0 for usable workers, None for the others
             self._unscored = {
                 name: (0 if plan.usable >> w.index & 1 else None)
@@ -427,6 +444,18 @@ class FleetIndex:
                 ws = WorkerScore(ws.reusable_tokens, ws.groups, ws.alignment, ws.reason, expected)
             out[name] = ws
         return out
+
+
+def _shared_layout(layouts: Iterable[Layout]) -> Layout | None:
+    """The layout of every worker that reports groups, if they all have one usable shape."""
+    found: Layout | None = None
+    for layout in layouts:
+        if not layout.groups:
+            continue
+        if not layout.usable or (found is not None and layout.shape() != found.shape()):
+            return None
+        found = found or layout
+    return found
 
 
 def _chunks(

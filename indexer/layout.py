@@ -102,6 +102,14 @@ class Layout:
         """Whether the worker can be scored."""
         return not self.reason
 
+    def shape(self) -> tuple[object, ...]:
+        """What scoring reads of the layout, without the worker's table slots: two
+        workers of one shape accept the same hits."""
+        return (
+            self.alignment,
+            tuple((u.rule, u.block_size, u.sliding_window, u.group_ids) for u in self.units),
+        )
+
     def junction_state(self, junction: int) -> int:
         """Where vLLM keeps sliding-window and Mamba state for a request whose
         shared-prefix junction is `junction` tokens (`reachable_block_mask` in vLLM's

@@ -142,6 +142,36 @@ def test_a_worker_of_unknown_layout_has_no_coverage_from_an_expectation() -> Non
     assert scores == {"new": 64} and coverage == {}
 
 
+def test_a_worker_without_events_is_judged_by_the_layout_its_peers_share() -> None:
+    """A worker that has reported no group yet (idle since the router started, or just
+    added) serves the model its peers serve: a prompt expected there is judged by their
+    shared layout. On a hybrid fleet its full attention will hold the prompt, so a sibling
+    sharing 70 tokens finds 64 tokens of coverage there (a junction to invest in), and
+    reuses nothing yet; on a dense fleet the sibling reuses the 64 at once. Peers of
+    different layouts lend nothing, and the worker's own first event replaces the loan."""
+    sibling = P[:70] + [1] * 30
+    peers = FleetIndex()  # peers: hybrid only
+    peers.apply("hybrid", batch(0, store(0, [], [], 16, FULL), store(1, [], [], 16, MAMBA)))
+    peers.expect("new", P[:100], None, expires_at=10.0)
+    scores, coverage = peers.reach_keys(fi_keys(peers, sibling), len(sibling))
+    assert coverage.get("new") == 64 and not scores["new"]
+    assert peers.score(P[:100])["new"] == 96  # the prompt's own end: its replay boundary
+    dense = FleetIndex()
+    dense.apply("full", batch(0, store(0, [], [], 16, FULL)))
+    dense.expect("new", P[:100], None, expires_at=10.0)
+    scores, coverage = dense.reach_keys(fi_keys(dense, sibling), len(sibling))
+    assert scores["new"] == 64 and "new" not in coverage
+    # peers disagree (dense and hybrid): the new worker stays unknown, credited cautiously
+    hybrid = _fleet()
+    hybrid.expect("new", P[:100], None, expires_at=10.0)
+    scores, coverage = hybrid.reach_keys(fi_keys(hybrid, sibling), len(sibling))
+    assert "new" not in coverage and not scores["new"]
+    # its own events show full attention only: that is what judges it from now on
+    peers.apply("new", batch(0, store(0, [], [], 16, FULL)))
+    scores, coverage = peers.reach_keys(fi_keys(peers, sibling), len(sibling))
+    assert scores["new"] == 64 and "new" not in coverage
+
+
 def test_a_junction_is_credited_where_each_sparse_group_keeps_its_state() -> None:
     """vLLM keeps a Mamba group's junction state in the Mamba block ending at or before
     the junction (`MambaManager.reachable_block_mask`: block `aligned // block_size - 1`;

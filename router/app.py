@@ -239,6 +239,23 @@ def create_app(
     )
     metrics.registry.register(
         ScalarGauge(
+            "kvroute_prefix_sharing_keys",
+            "Prompt index keys remembered with the session that asked for them (junction "
+            "credit; bounded by policy.sharing_max_keys)",
+            lambda: routing.remembered_prompt_keys,
+        )
+    )
+    metrics.registry.register(
+        ScalarGauge(
+            "kvroute_prefix_sharing_forgotten",
+            "Remembered prompt keys forgotten at policy.sharing_max_keys (oldest first); "
+            "a fast rise means the bound is too small for the traffic",
+            lambda: routing.forgotten_prompt_keys,
+            counter=True,
+        )
+    )
+    metrics.registry.register(
+        ScalarGauge(
             "kvroute_event_loop_stalled_seconds",
             "Time this process's event loop could not run (late by 5 ms or more) while an "
             "upstream connect or probe was pending; their timeouts do not count it",

@@ -129,6 +129,11 @@ class Routing:
         """How many prompt keys the router remembers for the junction credit (0 when off)."""
         return 0 if self._sharing is None else len(self._sharing)
 
+    @property
+    def forgotten_prompt_keys(self) -> int:
+        """How many remembered prompt keys were forgotten at `policy.sharing_max_keys`."""
+        return 0 if self._sharing is None else self._sharing.forgotten
+
     def resolve_model(self, req: ClientRequest) -> ModelRoute:
         """The request's model; a missing model is fine when the fleet serves exactly one."""
         name = req.model

@@ -149,6 +149,25 @@ def test_prompts_are_remembered_for_the_junction_credit_only_on_hybrid_workers()
         async with fleet(JUNCTION) as r:
             assert (await r.client.post("/v1/completions", json=body)).status_code == 200
             assert r.parts.routing.remembered_prompt_keys == len(PROMPT) // 16
+            text = (await r.client.get("/metrics")).text
+            assert f"kvroute_prefix_sharing_keys {len(PROMPT) // 16}.0" in text
+            assert "kvroute_prefix_sharing_forgotten_total 0.0" in text
+
+    asyncio.run(go())
+
+
+def test_the_sharing_map_forgets_at_its_bound_and_says_so_in_the_metrics() -> None:
+    bound = 10
+
+    async def go() -> None:
+        body = {"model": "m", "prompt": PROMPT, "max_tokens": 1, "user": "alice"}
+        policy = {"name": "ttft", "sharing_max_keys": bound}
+        async with fleet(JUNCTION, policy=policy) as r:
+            assert (await r.client.post("/v1/completions", json=body)).status_code == 200
+            text = (await r.client.get("/metrics")).text
+            assert f"kvroute_prefix_sharing_keys {bound}.0" in text
+            forgotten = len(PROMPT) // 16 - bound
+            assert f"kvroute_prefix_sharing_forgotten_total {forgotten}.0" in text
 
     asyncio.run(go())
 

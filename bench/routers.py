@@ -102,7 +102,7 @@ ROUTERS: dict[str, RouterSpec] = {
             "kvroute (default, cold requests on the session hash at any load, as before stop 23)",
             "kvroute",
             "ttft",
-            (("KVROUTE_POLICY__SESSION_SLACK_S", "1000000"),),
+            (("KVROUTE_POLICY__SESSION_SLACK_TOKENS", "1e12"),),
         ),
         RouterSpec(
             "kvroute-configured-release",

@@ -81,27 +81,28 @@ class PolicyConfig:
         "with its cache longer before load is balanced (moving it leaves a second copy of the "
         "prefix that crowds the cache); 1 = the TTFT estimate as such",
     )
-    decode_s_per_running: float = _f(
-        0.005,
-        "TTFT added per request already running on a worker (decode steps interleave); it "
-        "also spreads conversations, so no worker's cache is crowded into evicting state that "
-        "its own sessions need next (sliding-window benchmark: 69% cached at 0.001, 74-78% "
-        "at 0.005)",
+    tokens_per_running: float = _f(
+        100.0,
+        "prefill tokens each request already running on a worker adds to its TTFT estimate "
+        "(decode steps interleave; 5 ms at the default rate). It also spreads conversations, "
+        "so no worker's cache is crowded into evicting state its own sessions need next "
+        "(sliding-window benchmark: 69% cached at 20 tokens, 74-78% at 100). In tokens, not "
+        "seconds, so a fleet's true prefill_tokens_per_s keeps the ranking tuned here",
     )
-    decode_s_per_running_home: float = _f(
-        0.001,
+    tokens_per_running_home: float = _f(
+        20.0,
         "the per-running charge instead, on the one worker whose predicted reuse beats every "
         "other worker's by at least a hash unit (where the request's conversation lives): "
         "keeping a conversation where it is adds no session to that cache, and moving it "
-        "re-prefills its own history (dense benchmark, three seeds: at 5 ms, 42 of 890 "
+        "re-prefills its own history (dense benchmark, three seeds: at 100 tokens, 42 of 890 "
         "requests got less cache than under smg, mostly second turns that moved and kept only "
-        "the shared system prompt; at 1 ms, 3)",
+        "the shared system prompt; at 20, 3)",
     )
     home_load_bound: float = _f(
         1.5,
-        "the home's per-running discount (decode_s_per_running_home) holds only while the "
+        "the home's per-running discount (tokens_per_running_home) holds only while the "
         "home runs at most this many times the fleet's mean running requests; beyond it the "
-        "home is charged decode_s_per_running like any worker, so a prefix only one worker "
+        "home is charged tokens_per_running like any worker, so a prefix only one worker "
         "holds (a tenant's system prompt) does not draw every new conversation onto it "
         "(0 = always discounted; benchmark, against 0, three seeds each: sliding window p50 "
         "-4.0 ms and 2 points more cached, bench/results/stop23; dense p50 -2.9 ms, Mamba "
@@ -162,12 +163,13 @@ class PolicyConfig:
     session_bounded_load: float = _f(
         1.25, "consistent hashing: a worker takes at most this factor times the mean load"
     )
-    session_slack_s: float = _f(
-        0.02,
+    session_slack_tokens: float = _f(
+        400.0,
         "a request with no cache evidence follows its session's consistent hash only among "
-        "workers whose estimated TTFT is within this many seconds of the fastest: a cold "
-        "prompt gains nothing by waiting behind another worker's prefill (its next turn "
-        "follows the cache, not the hash); a large value = the hash with bounded load alone",
+        "workers whose estimated TTFT is within this many prefill tokens of the fastest (20 ms "
+        "at the default rate): a cold prompt gains nothing by waiting behind another worker's "
+        "prefill (its next turn follows the cache, not the hash); a large value = the hash "
+        "with bounded load alone",
     )
     virtual_nodes: int = _f(64, "consistent hashing: ring points per worker")
     hash_unit: int = _f(16, "index hash unit in tokens; must divide every group's block size")

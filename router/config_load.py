@@ -19,7 +19,14 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from router.config import POLICY_NAMES, TOKENIZER_MODES, ModelSpec, RouterConfig, WorkerSpec
+from router.config import (
+    POLICY_NAMES,
+    TOKENIZER_MODES,
+    ModelSpec,
+    PolicyConfig,
+    RouterConfig,
+    WorkerSpec,
+)
 from router.discovery import DiscoveryConfigError, parse_discovery_config
 
 ENV_PREFIX = "KVROUTE_"
@@ -30,6 +37,13 @@ RETIRED_KEYS = {
     "policy.affinity_max_workers": (
         "the policy now takes every worker's full-attention coverage from the scoring walk"
     ),
+}
+# Policy keys once in seconds, now in prefill tokens (so a fleet's true rate keeps the
+# ranking): converted at the configured rate with a warning, so the router ranks as before.
+SECONDS_TO_TOKENS_KEYS = {
+    "decode_s_per_running": "tokens_per_running",
+    "decode_s_per_running_home": "tokens_per_running_home",
+    "session_slack_s": "session_slack_tokens",
 }
 
 log = logging.getLogger(__name__)
@@ -140,12 +154,39 @@ def _normalise(data: Mapping[str, Any]) -> dict[str, Any]:
         if isinstance(node, Mapping) and key in node:
             out[section] = {k: v for k, v in node.items() if k != key}
             log.warning("config: %s is no longer used and is ignored (%s)", dotted, why)
+    policy = out.get("policy")
+    if isinstance(policy, Mapping) and SECONDS_TO_TOKENS_KEYS.keys() & policy.keys():
+        out["policy"] = _seconds_to_tokens(policy)
     models = out.get("models")
     if isinstance(models, Mapping):
         out["models"] = {
             name: ({"tokenizer": spec} if isinstance(spec, str) else spec or {})
             for name, spec in models.items()
         }
+    return out
+
+
+def _seconds_to_tokens(policy: Mapping[str, Any]) -> dict[str, Any]:
+    """Replace the policy's former seconds keys by their token keys (an explicit token key
+    wins); a value that is not a number is left for validation to report."""
+    out = dict(policy)
+    rate = out.get("prefill_tokens_per_s", PolicyConfig().prefill_tokens_per_s)
+    for old, new in SECONDS_TO_TOKENS_KEYS.items():
+        if old not in out:
+            continue
+        seconds = out.pop(old)
+        if new in out:
+            log.warning("config: policy.%s is replaced by policy.%s and is ignored", old, new)
+            continue
+        if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in (seconds, rate)):
+            out[new] = seconds  # reported by validation, under its new name
+            continue
+        out[new] = seconds * rate
+        log.warning(
+            "config: policy.%s (seconds) is now policy.%s (prefill tokens): %s s at %s "
+            "tokens/s taken as %s tokens",
+            old, new, seconds, rate, out[new],
+        )  # fmt: skip
     return out
 
 
@@ -268,14 +309,14 @@ def validate(c: RouterConfig) -> list[str]:
     need(p.name in POLICY_NAMES, f"policy.name: expected one of {', '.join(POLICY_NAMES)}")
     for key in ("prefill_tokens_per_s", "saturation_queue_s", "session_bounded_load"):
         need(getattr(p, key) > 0, f"policy.{key}: expected a number > 0")
-    need(p.decode_s_per_running >= 0, "policy.decode_s_per_running: expected >= 0")
-    need(p.decode_s_per_running_home >= 0, "policy.decode_s_per_running_home: expected >= 0")
+    need(p.tokens_per_running >= 0, "policy.tokens_per_running: expected >= 0")
+    need(p.tokens_per_running_home >= 0, "policy.tokens_per_running_home: expected >= 0")
     need(p.step_wait_weight >= 0, "policy.step_wait_weight: expected >= 0")
     need(p.affinity_weight >= 0, "policy.affinity_weight: expected >= 0")
     need(p.sharing_max_keys >= 1, "policy.sharing_max_keys: expected >= 1")
     need(p.queue_weight >= 0, "policy.queue_weight: expected >= 0")
     need(p.session_bounded_load >= 1, "policy.session_bounded_load: expected >= 1")
-    need(p.session_slack_s >= 0, "policy.session_slack_s: expected >= 0")
+    need(p.session_slack_tokens >= 0, "policy.session_slack_tokens: expected >= 0")
     need(p.home_load_bound >= 0, "policy.home_load_bound: expected >= 0")
     need(0 < p.kv_usage_saturation <= 1, "policy.kv_usage_saturation: expected in (0, 1]")
     need(p.max_running_per_worker >= 1, "policy.max_running_per_worker: expected >= 1")

@@ -5,10 +5,10 @@ prefill, load, estimated time to first token, saturation) and returns a `Decisio
 that picture, so a decision can always be explained after the fact.
 
 Estimated TTFT of a request on worker w (seconds):
-    (queue_weight * queued_prefill(w) + uncached(w)) / prefill_rate
-        + decode_s_per_running * running(w)
+    (queue_weight * queued_prefill(w) + uncached(w) + tokens_per_running * running(w))
+        / prefill_rate
         + step_wait_weight * step_wait(w)
-(decode_s_per_running_home instead on the request's home: the one worker whose reuse beats
+(tokens_per_running_home instead on the request's home: the one worker whose reuse beats
 every other's by at least a hash unit, see `home_worker`, unless it runs more than
 `policy.home_load_bound` times the fleet's mean)
 where prefill_rate is `policy.prefill_tokens_per_s` (or, with `policy.learn_prefill_rate`, the
@@ -118,9 +118,10 @@ class LoadModel:
         """One Candidate per worker (a tight loop: this runs for every worker per request)."""
         cfg = self.cfg
         inv_rate = self.seconds_per_token()
-        per_running = cfg.decode_s_per_running
+        # in prefill tokens, so the fleet's true rate keeps the ranking (see PolicyConfig)
+        per_running = cfg.tokens_per_running * inv_rate
         home = home_worker(reuse, cfg.hash_unit)
-        per_running_home = cfg.decode_s_per_running_home
+        per_running_home = cfg.tokens_per_running_home * inv_rate
         queue_weight = cfg.queue_weight
         # Below-1 queue weight keeps a request with its cache; without reuse there it is waited
         # in full (two cold re-prefills would otherwise stack on one busy worker)
@@ -326,7 +327,8 @@ class TTFTPolicy(Policy):
             # The hash keeps replicas agreeing and a fleet without events sticky, but only
             # among the workers about as fast as the fastest: nothing here is cached, so
             # waiting behind another prompt's prefill buys nothing.
-            limit = min(c.est_ttft_s for c in calm) + self.cfg.session_slack_s
+            slack = self.cfg.session_slack_tokens * self.load_model.seconds_per_token()
+            limit = min(c.est_ttft_s for c in calm) + slack
             near = [c for c in calm if c.est_ttft_s <= limit]
             chosen = self.session.pick(near, req.session_key)
             if chosen is not None:

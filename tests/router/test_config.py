@@ -174,3 +174,32 @@ def test_retired_key_is_ignored_with_one_warning(caplog: pytest.LogCaptureFixtur
     # a misspelt key next to it is still an error
     with pytest.raises(ConfigError, match="affinty_weight: unknown key"):
         config_from_dict({**FLEET, "policy": {"affinity_max_workers": 64, "affinty_weight": 1}})
+
+
+def test_former_seconds_keys_become_tokens_at_the_configured_rate(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A deployment's config from before the per-running terms moved to prefill tokens
+    keeps routing as it did: seconds x its prefill rate, with one warning per key."""
+    old = {
+        "decode_s_per_running": 0.004,
+        "decode_s_per_running_home": 0.002,
+        "session_slack_s": 0.05,
+    }
+    with caplog.at_level(logging.WARNING, logger="router.config_load"):
+        cfg = config_from_dict({**FLEET, "policy": {"prefill_tokens_per_s": 10_000, **old}})
+    p = cfg.policy
+    assert (p.tokens_per_running, p.tokens_per_running_home, p.session_slack_tokens) == (
+        40.0, 20.0, 500.0,
+    )  # fmt: skip
+    assert len([r for r in caplog.records if "prefill tokens" in r.getMessage()]) == 3
+    # at the default rate
+    cfg = config_from_dict({**FLEET, "policy": {"decode_s_per_running": 0.005}})
+    assert cfg.policy.tokens_per_running == 100.0
+    # an explicit token key wins; a bad old value is reported under the new name
+    cfg = config_from_dict(
+        {**FLEET, "policy": {"decode_s_per_running": 0.5, "tokens_per_running": 7}}
+    )
+    assert cfg.policy.tokens_per_running == 7
+    with pytest.raises(ConfigError, match=r"policy\.session_slack_tokens"):
+        config_from_dict({**FLEET, "policy": {"session_slack_s": "soon"}})

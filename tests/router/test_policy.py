@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import collections
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from router.config import BreakerConfig, PolicyConfig, WorkerSpec
 from router.index_view import GroupReuse, ReuseExplanation
 from router.load import EngineMetrics, LoadTicket
@@ -158,12 +161,13 @@ def test_cold_session_leaves_its_hash_for_a_worker_without_a_queued_prefill() ->
     home, d = cold_session_after_a_queue_at_home(4000)
     assert d.chosen is not None and d.chosen.name != home and d.reason == SESSION
     by = {c.name: c for c in d.candidates}
-    assert by[home].est_ttft_s - d.chosen.est_ttft_s > PolicyConfig().session_slack_s
+    slack_s = PolicyConfig().session_slack_tokens / 10_000  # at the test's rate
+    assert by[home].est_ttft_s - d.chosen.est_ttft_s > slack_s
     # within the slack (100 tokens: 10 ms) the hash still decides
     home, d = cold_session_after_a_queue_at_home(100)
     assert d.chosen is not None and d.chosen.name == home
     # a large slack is the hash with bounded load alone, as before the slack existed
-    home, d = cold_session_after_a_queue_at_home(4000, session_slack_s=1e9)
+    home, d = cold_session_after_a_queue_at_home(4000, session_slack_tokens=1e12)
     assert d.chosen is not None and d.chosen.name == home
 
 
@@ -324,10 +328,11 @@ def test_a_conversation_stays_home_despite_more_running_there() -> None:
         LoadTicket(ws[1].load, 0)
     # 1,000 tokens: w0 holds 800 (system prompt + the first turn), w1 the 656 of the prompt
     follow_up = RouteInput(1000, {"w0": 800, "w1": 656}, "s")
-    for home_charge, expected in ((0.005, "w1"), (0.001, "w0")):
-        cfg, lm = policy(decode_s_per_running=0.005, decode_s_per_running_home=home_charge)
+    for home_charge, expected in ((100, "w1"), (20, "w0")):
+        cfg, lm = policy(tokens_per_running=100, tokens_per_running_home=home_charge)
         d = make_policy(cfg, lm).decide(ws, follow_up, 0.0)
-        # home charged 5 ms: 0.010 + 0.025 s on w0 vs 0.0172 + 0.010 s; at 1 ms: 0.015 s on w0
+        # home charged 100 tokens (5 ms at 20,000/s): 0.010 + 0.025 s on w0 vs 0.0172 +
+        # 0.010 s on w1; charged 20 tokens: 0.010 + 0.005 s on w0
         # (w0's 5 running are within home_load_bound: 1.5 x the mean 3.5)
         assert d.chosen is not None and d.chosen.name == expected, home_charge
     # A new conversation (only the shared system prompt cached) still spreads by running.
@@ -361,3 +366,30 @@ def test_a_cold_request_waits_a_queue_in_full() -> None:
     # w0 is the home, but it runs 1 against a fleet mean of 0.5 (above home_load_bound 1.5x),
     # so its running request is charged in full
     assert abs(c0.est_ttft_s - ((0.25 * 6900 + 3900) / 20_000 + 0.005)) < 1e-9
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_the_ranking_does_not_depend_on_the_configured_rate(data: st.DataObject) -> None:
+    """Every term of the estimate but the step wait is in prefill tokens, so a fleet's true
+    rate changes the seconds, not the choice (saturation, a wall-time bound, set aside).
+    Rates a power of two apart scale every product exactly, so near-ties cannot flip."""
+    n = data.draw(st.integers(2, 5))
+    n_tokens = data.draw(st.integers(16, 8000))
+    reuse = {f"w{i}": data.draw(st.none() | st.integers(0, n_tokens)) for i in range(n)}
+    coverage = {f"w{i}": data.draw(st.integers(0, n_tokens)) for i in range(n)}
+    own_from = data.draw(st.none() | st.integers(0, n_tokens // 16).map(lambda b: b * 16))
+    session = data.draw(st.sampled_from([None, "alice"]))
+    loads = [(data.draw(st.integers(0, 6)), data.draw(st.integers(0, 20_000))) for _ in range(n)]
+    req = RouteInput(n_tokens, reuse, session, data.draw(st.none() | st.just(coverage)), own_from)
+    choices = []
+    for rate in (16_384.0, 4_096.0):
+        cfg, lm = policy(prefill_tokens_per_s=rate, saturation_queue_s=1e9)
+        ws = fleet(n)
+        for w, (running, queued) in zip(ws, loads, strict=True):
+            for j in range(running):
+                LoadTicket(w.load, queued if j == 0 else 0)
+        d = make_policy(cfg, lm).decide(ws, req, 0.0)
+        assert d.chosen is not None
+        choices.append((d.chosen.name, d.reason))
+    assert choices[0] == choices[1]

@@ -126,6 +126,13 @@ ROUTERS: dict[str, RouterSpec] = {
             (("KVROUTE_POLICY__PREFILL_TOKENS_PER_S", "5600"),),
         ),
         RouterSpec(
+            "kvroute-learned-rate",
+            "kvroute (default, routing with the prefill rate measured from first bytes)",
+            "kvroute",
+            "ttft",
+            (("KVROUTE_POLICY__LEARN_PREFILL_RATE", "true"),),
+        ),
+        RouterSpec(
             "kvroute-junction-any-prefix",
             "kvroute (default, junction credit 0.5 for any covered prefix, as before stop 25)",
             "kvroute",

@@ -178,16 +178,24 @@ def _seconds_to_tokens(policy: Mapping[str, Any]) -> dict[str, Any]:
         if new in out:
             log.warning("config: policy.%s is replaced by policy.%s and is ignored", old, new)
             continue
-        if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in (seconds, rate)):
+        try:
+            out[new] = _number(seconds) * _number(rate)
+        except (TypeError, ValueError):
             out[new] = seconds  # reported by validation, under its new name
             continue
-        out[new] = seconds * rate
         log.warning(
             "config: policy.%s (seconds) is now policy.%s (prefill tokens): %s s at %s "
             "tokens/s taken as %s tokens",
             old, new, seconds, rate, out[new],
         )  # fmt: skip
     return out
+
+
+def _number(value: Any) -> float:
+    """A YAML number or numeric string as a float (TypeError/ValueError otherwise)."""
+    if isinstance(value, bool):
+        raise TypeError("a boolean is not a number")
+    return float(value)
 
 
 def _build(tp: Any, value: Any, path: str, errors: list[str]) -> Any:

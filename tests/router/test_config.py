@@ -203,3 +203,6 @@ def test_former_seconds_keys_become_tokens_at_the_configured_rate(
     assert cfg.policy.tokens_per_running == 7
     with pytest.raises(ConfigError, match=r"policy\.session_slack_tokens"):
         config_from_dict({**FLEET, "policy": {"session_slack_s": "soon"}})
+    # a number given as a string (a quoted YAML value, a command-line flag) is converted too
+    cfg = config_from_dict({**FLEET, "policy": {"session_slack_s": "0.02"}})
+    assert cfg.policy.session_slack_tokens == pytest.approx(400.0)

@@ -229,41 +229,48 @@ def bench_score(
     return rows
 
 
-def bench_sharing(prompt_sizes: list[int], sessions: int, repeat: int) -> list[dict[str, object]]:
+def bench_sharing(prompt_sizes: list[int], repeat: int) -> list[dict[str, object]]:
     """The router's junction-credit bookkeeping per request (router.prefix_sharing), next to
-    hashing the same prompt: a follow-up turn of one of `sessions` conversations that share
-    a system prompt, noted (the router's `note`) and looked up (`own_from`), with the map
-    holding every conversation's previous turn."""
+    hashing the same prompt. Conversations share a system prompt and the map holds each
+    one's previous turn (the first three quarters of its prompt); each timed `note` records
+    a different conversation's next turn, as the router does, so a quarter of its keys are
+    new every time; `own_from` looks up where that turn's own history starts."""
     from router.prefix_sharing import PrefixSharing
 
     rows: list[dict[str, object]] = []
+    rounds = 3  # timed()'s
     for n_tokens in prompt_sizes:
         shared = min(SYSTEM, n_tokens // 2)
         system = tokens(shared, 3)
-        convs = [content_keys(system + tokens(n_tokens - shared, 700 + i)) for i in range(sessions)]
-        sharing = PrefixSharing(UNIT, max_keys=sessions * (n_tokens // UNIT) + 1)
-        for i, keys in enumerate(convs):
-            sharing.note(keys[: len(keys) * 3 // 4], f"s{i}")  # the previous turn
-        ids = system + tokens(n_tokens - shared, 700)  # conversation s0's next turn
-        keys = content_keys(ids)
-        own = sharing.own_from(keys, "s0")
-        assert own == shared, own  # its own history starts after the shared system prompt
         reps = max(5, repeat * 8192 // max(n_tokens, 8192))
-        note = timed(partial(sharing.note, keys, "s0"), reps)
-        own_from = timed(partial(sharing.own_from, keys, "s0"), reps)
-        hashing = timed(partial(content_keys, ids), reps)
+        sessions = reps * rounds  # one turn per timed call
+        turns = [
+            (content_keys(system + tokens(n_tokens - shared, 700 + i)), f"s{i}")
+            for i in range(sessions)
+        ]
+        sharing = PrefixSharing(UNIT, max_keys=sessions * (n_tokens // UNIT) + 1)
+        for keys, owner in turns:
+            sharing.note(keys[: len(keys) * 3 // 4], owner)  # the previous turn
+        keys, owner = turns[0]
+        own = sharing.own_from(keys, owner)
+        assert own == shared, own  # its own history starts after the shared system prompt
+        held = len(sharing)
+        own_from = timed(partial(sharing.own_from, keys, owner), reps)
+        hashing = timed(partial(content_keys, system + tokens(n_tokens - shared, 700)), reps)
+        pending = iter(turns)
+        note = timed(lambda: sharing.note(*next(pending)), reps, rounds)  # noqa: B023
         rows.append(
             {
                 "prompt_tokens": n_tokens,
                 "sessions": sessions,
-                "remembered_keys": len(sharing),
+                "remembered_keys": held,
                 "note": note,
                 "own_from": own_from,
                 "hash_only": hashing,
             }
         )
         print(
-            f"sharing tokens={n_tokens:6} keys held={len(sharing)} "
+            f"sharing tokens={n_tokens:6} keys held={held} "
             f"note={note['median_ms']:.4f} ms own_from={own_from['median_ms']:.4f} ms "
             f"(hash {hashing['median_ms']:.3f} ms)",
             flush=True,
@@ -354,9 +361,10 @@ def markdown(result: dict[str, object]) -> str:
         "## Junction-credit bookkeeping (ms)",
         "",
         "What the router adds per request on hybrid fleets (`router.prefix_sharing`): a",
-        "follow-up turn noted as asked for by its conversation, and the lookup of where its",
-        "own history starts, with every conversation's previous turn held; hashing the same",
-        "prompt for scale. Medians of the quietest of 3 rounds.",
+        "conversation's next turn noted as asked for by it (a quarter of its keys new, each",
+        "call a different conversation), and the lookup of where its own history starts, with",
+        "every conversation's previous turn held; hashing the same prompt for scale. Medians",
+        "of the quietest of 3 rounds.",
         "",
         "| prompt tokens | conversations | keys held | note | own_from | hashing |",
         "|---|---|---|---|---|---|",
@@ -392,7 +400,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         prompts, fleets, layouts = [1024, 8192], [1, 4, 16], ["full", "hybrid"]
         background, repeat, ingest, memory = 2048, 10, 20_000, [(20_000, 1), (20_000, 8)]
-        sessions = 8
     else:
         prompts, fleets, layouts = (
             [1024, 8192, 32768, 131072],
@@ -404,13 +411,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         background, repeat, ingest = 1_000_000, 200, 1_000_000
         memory = [(1_000_000, 1), (1_000_000, 64)]
-        sessions = 64
     result: dict[str, object] = {
         "command": "python -m bench.index_bench" + (" --smoke" if args.smoke else ""),
         "machine": f"{platform.machine()} x{os.cpu_count()}",
         "python": platform.python_version(),
         "score": bench_score(prompts, fleets, layouts, background, repeat),
-        "sharing": bench_sharing(prompts, sessions, repeat),
+        "sharing": bench_sharing(prompts, repeat),
         "ingest": [bench_ingest(ingest, name) for name in ("full", "hybrid")],
         "memory": [bench_memory(n, w, name) for n, w in memory for name in ("full", "hybrid")],
     }

@@ -138,8 +138,8 @@ def test_cache_salt_and_lora_are_separate_namespaces() -> None:
 
 
 def test_prompts_are_remembered_for_the_junction_credit_only_on_hybrid_workers() -> None:
-    """Remembering who asked for a prompt costs 21 us per 6,000 tokens; a dense fleet never
-    uses it."""
+    """Remembering who asked for a prompt costs about 0.03 ms per 8,192 tokens
+    (bench/results/index.md); a dense fleet never uses it."""
 
     async def go() -> None:
         body = {"model": "m", "prompt": PROMPT, "max_tokens": 1, "user": "alice"}

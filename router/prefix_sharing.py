@@ -55,10 +55,13 @@ class PrefixSharing:
         None when no key is known to be its own (a new prompt, or one another replica
         routed: credited as before this rule, so replicas agree on what they both do not
         know). Keys chain their prefix, so the keys asked for are a leading run and, within
-        it, those only `session` asked for a trailing one: both found by bisection."""
+        it, those only `session` asked for a trailing one: both found by bisection. Once the
+        bound has forgotten a prompt's first keys the runs are no longer leading; a forgotten
+        key then counts as not its own, so the answer stays a position in the prompt."""
         owner = self._owner
+        get = owner.get
         # keys[:asked] were asked for (the predicate is False, then True)
         asked = bisect_left(keys, True, key=lambda k: k not in owner)
         # within them, those from `first_own` on were asked for by `session` alone
-        first_own = bisect_left(keys, True, 0, asked, key=lambda k: owner[k] == session)
+        first_own = bisect_left(keys, True, 0, asked, key=lambda k: get(k) == session)
         return first_own * self._unit if first_own < asked else None

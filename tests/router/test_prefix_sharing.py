@@ -63,6 +63,43 @@ def test_the_oldest_keys_are_forgotten_at_the_bound() -> None:
         PrefixSharing(UNIT, 0)
 
 
+def test_a_prompt_whose_first_keys_were_forgotten_is_answered() -> None:
+    """The bound forgets the oldest keys first, which are a conversation's first ones: the
+    rest of its prompt stays known. Regression: `own_from` raised KeyError on such a prompt
+    (the router's every later turn of that conversation)."""
+    s = PrefixSharing(UNIT, 6)
+    turn = chain(prompt((1, 6)))
+    s.note(turn, "a")
+    longer = chain(prompt((1, 6), (2, 2)))
+    s.note(longer, "a")  # two new keys: the first two of the conversation are forgotten
+    assert s.forgotten == 2
+    assert s.own_from(longer, "a") == 2 * UNIT  # from the first key still known as its own
+    assert s.own_from(longer, "b") is None
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    ops=st.lists(st.tuples(st.integers(0, 2), st.integers(0, 4), st.booleans()), max_size=40),
+    bound=st.integers(1, 30),
+)
+def test_growing_conversations_at_any_bound_get_a_position_in_the_prompt(
+    ops: list[tuple[int, int, bool]], bound: int
+) -> None:
+    """Conversations sharing a system prompt grow turn by turn while the bound forgets their
+    oldest keys: every lookup answers a position inside the prompt (or None)."""
+    s = PrefixSharing(UNIT, bound)
+    convs = [prompt((9, 2)) for _ in range(3)]
+    for c, grow, is_note in ops:
+        convs[c] += prompt(*((100 * c + len(convs[c]) // UNIT + i, 1) for i in range(grow)))
+        keys = chain(convs[c] + prompt((7, 1)))  # the turn asked for now
+        if is_note:
+            s.note(keys, c)
+            assert len(s) <= bound
+        else:
+            got = s.own_from(keys, c)
+            assert got is None or (0 <= got < len(keys) * UNIT and got % UNIT == 0)
+
+
 @settings(max_examples=300, deadline=None)
 @given(
     st.lists(

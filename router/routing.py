@@ -306,7 +306,10 @@ class Routing:
         if self._sharing is not None and prompt.coverage:
             keys = self.keys(prompt)
             if keys is not None:
-                self._sharing.note(keys, _owner(decision.session_key))
+                try:
+                    self._sharing.note(keys, _owner(decision.session_key))
+                except Exception as exc:  # a bookkeeping bug must not fail a routed request
+                    self._sharing_failed(exc)
         return decision
 
     def route_input(
@@ -318,8 +321,15 @@ class Routing:
         if self._sharing is not None and prompt.coverage:
             keys = self.keys(prompt)
             if keys is not None:
-                own_from = self._sharing.own_from(keys, _owner(key))
+                try:
+                    own_from = self._sharing.own_from(keys, _owner(key))
+                except Exception as exc:  # route as if the prompt were nobody's history
+                    self._sharing_failed(exc)
         return RouteInput(prompt.n_tokens, reuse, key, prompt.coverage, own_from)
+
+    def _sharing_failed(self, exc: Exception) -> None:
+        self._ratelog.error("sharing", "prefix sharing bookkeeping failed: %r", exc)
+        self._metrics.child(self._metrics.errors, "sharing").inc()
 
     def expect(self, worker: Worker, prompt: Prompt) -> None:
         """Credit the chosen worker with this prompt until its events arrive (or expiry).

@@ -176,6 +176,35 @@ def test_the_sharing_map_forgets_at_its_bound_and_says_so_in_the_metrics() -> No
     asyncio.run(go())
 
 
+def test_a_sharing_bookkeeping_failure_routes_the_request_and_is_counted(
+    monkeypatch: Any, caplog: Any
+) -> None:
+    """Like an index failure: the request is routed without the junction rule's history,
+    the error is logged once and counted, never answered as a 500."""
+    from router.prefix_sharing import PrefixSharing
+
+    def broken(*a: Any, **k: Any) -> Any:
+        raise RuntimeError("sharing bug")
+
+    monkeypatch.setattr(PrefixSharing, "note", broken)
+    monkeypatch.setattr(PrefixSharing, "own_from", broken)
+
+    async def go() -> None:
+        body = {"model": "m", "prompt": PROMPT, "max_tokens": 1, "user": "alice"}
+        async with fleet(JUNCTION) as r:
+            for _ in range(3):
+                resp = await r.client.post("/v1/completions", json=body)
+                assert resp.status_code == 200, resp.text
+            text = (await r.client.get("/metrics")).text
+            # own_from and note each failed on every request
+            assert 'kvroute_errors_total{kind="sharing"} 6.0' in text
+
+    with caplog.at_level("ERROR"):
+        asyncio.run(go())
+    logged = [r for r in caplog.records if "prefix sharing bookkeeping failed" in r.getMessage()]
+    assert len(logged) == 1
+
+
 def test_expectation_sends_a_follow_up_to_the_same_worker() -> None:
     async def go() -> None:
         async with fleet({"w0": [], "w1": [], "w2": []}) as r:

@@ -21,7 +21,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Final
 
 import xxhash
 import zmq
@@ -40,6 +40,7 @@ from bridge.vllm_schema import (
     parse_replay_reply,
     replay_request_frames,
 )
+from kvroute.ratelog import RateLimitedLog
 
 log = logging.getLogger(__name__)
 
@@ -60,29 +61,6 @@ class EngineEndpoints:
     events: str
     replay: str | None = None
     topic: str = ""
-
-
-class RateLimitedLog:
-    """Logs a given kind of problem at most once per `interval` seconds, with a count of
-    what was suppressed in between."""
-
-    def __init__(self, logger: logging.Logger, interval: float = 10.0) -> None:
-        self._logger = logger
-        self._interval = interval
-        self._last: dict[str, float] = {}
-        self._suppressed: dict[str, int] = {}
-
-    def warning(self, key: str, message: str, *args: Any) -> None:
-        """Log `message % args` unless `key` was logged less than `interval` seconds ago."""
-        now = time.monotonic()
-        last = self._last.get(key)
-        if last is not None and now - last < self._interval:
-            self._suppressed[key] = self._suppressed.get(key, 0) + 1
-            return
-        self._last[key] = now
-        suppressed = self._suppressed.pop(key, 0)
-        suffix = f" ({suppressed} similar suppressed)" if suppressed else ""
-        self._logger.warning(message + suffix, *args)
 
 
 class EngineFollower:
@@ -107,7 +85,7 @@ class EngineFollower:
         self._label = str(endpoints.dp_rank)
         self._decoder = BatchDecoder()
         self._stats = ConvertStats()
-        self._log = RateLimitedLog(log)
+        self._log = RateLimitedLog(log, interval_s=10.0)
         self._dealer: zmq.asyncio.Socket | None = None
         self._last: int | None = None  # last seq applied
         self._live_high: int | None = None  # highest seq seen on the live socket

@@ -24,11 +24,11 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from bridge.client import SUBSCRIBE_METHOD, ResumePoint
+from kvroute.ratelog import RateLimitedLog
 from proto import events_pb2
 from router.config import EventsConfig
 from router.index_view import IndexView
 from router.metrics import RouterMetrics
-from router.tokenize.ratelog import RateLimitedLog
 from router.workers import Worker
 
 log = logging.getLogger("kvroute.router.events")

@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
+from kvroute.ratelog import RateLimitedLog
 from router.chat_answer import AnswerTap, answer_of_response
 from router.chat_as_completion import ChatStream, chat_response, completion_body
 from router.config import RouterConfig
@@ -49,7 +50,6 @@ from router.retry import Backoff, RetryBudget, retryable_status
 from router.routing import Prompt, Routing
 from router.sse import SseFilter, Usage, usage_from_json
 from router.step_clock import StepClock
-from router.tokenize.ratelog import RateLimitedLog
 from router.upstream import Upstream, UpstreamConnectError, UpstreamResponse, UpstreamTimeout
 from router.verify import Verifier
 from router.workers import Worker, WorkerRegistry

@@ -14,6 +14,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from kvroute.ratelog import RateLimitedLog
 from router.config import ModelSpec, PolicyConfig
 from router.errors import NO_WORKER, TOKENIZE, UNKNOWN_MODEL, RouterError
 from router.index_view import IndexView
@@ -28,7 +29,6 @@ from router.policy import (
     uses_cache,
 )
 from router.prefix_sharing import PrefixSharing
-from router.tokenize.ratelog import RateLimitedLog
 from router.workers import ModelRoute, Worker, WorkerRegistry
 
 log = logging.getLogger("kvroute.router.routing")

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import yaml
 
-from router.discovery.sink import DiscoverySink, DiscoveryStats, RateLimitedLog, SourceView
+from kvroute.ratelog import RateLimitedLog
+from router.discovery.sink import DiscoverySink, DiscoveryStats, SourceView
 from router.discovery.spec import WorkerSpec, WorkerSpecError, parse_workers
 
 log = logging.getLogger(__name__)

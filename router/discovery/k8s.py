@@ -16,9 +16,10 @@ from collections.abc import AsyncGenerator, Mapping
 from contextlib import aclosing
 from typing import Protocol
 
+from kvroute.ratelog import RateLimitedLog
 from router.discovery.kube_client import ApiError, Gone, MalformedEvent, PodList, WatchEvent
 from router.discovery.pods import PodDefaults, pod_name, worker_from_pod
-from router.discovery.sink import DiscoverySink, DiscoveryStats, RateLimitedLog, SourceView
+from router.discovery.sink import DiscoverySink, DiscoveryStats, SourceView
 from router.discovery.spec import WorkerSpec, WorkerSpecError
 
 log = logging.getLogger(__name__)

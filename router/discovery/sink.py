@@ -7,9 +7,7 @@ drains names it announced itself.
 
 from __future__ import annotations
 
-import logging
-import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -39,37 +37,6 @@ class DiscoveryStats:
     gone: int = 0  # watches refused with 410 Gone (resourceVersion too old)
     reconnects: int = 0  # watch streams resumed from a resourceVersion
     workers: int = 0  # currently announced, not drained
-
-
-class RateLimitedLog:
-    """Logs a given key at most once per `interval` seconds, so bad input cannot flood logs."""
-
-    def __init__(
-        self,
-        logger: logging.Logger,
-        interval: float = 60.0,
-        clock: Callable[[], float] = time.monotonic,
-        max_keys: int = 1024,
-    ) -> None:
-        self._logger = logger
-        self._interval = interval
-        self._clock = clock
-        self._max_keys = max_keys
-        self._last: dict[str, float] = {}
-
-    def warning(self, key: str, msg: str, *args: object) -> bool:
-        """Log unless `key` was logged within the interval; returns whether it logged."""
-        now = self._clock()
-        last = self._last.get(key)
-        if last is not None and now - last < self._interval:
-            return False
-        if len(self._last) >= self._max_keys and key not in self._last:
-            # Bounded: forget the oldest key rather than grow with distinct bad inputs.
-            del self._last[next(iter(self._last))]
-        self._last.pop(key, None)
-        self._last[key] = now
-        self._logger.warning(msg, *args)
-        return True
 
 
 @dataclass(slots=True)

@@ -14,12 +14,12 @@ from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry
 
+from kvroute.ratelog import RateLimitedLog
 from router.tokenize.chat_request import NotExact
 from router.tokenize.errors import TokenizeError
 from router.tokenize.local import EncodeStats, LocalTokenizer, first_message_end
 from router.tokenize.metrics import TokenizeMetrics
 from router.tokenize.prefix_cache import Lookup, PrefixCache
-from router.tokenize.ratelog import RateLimitedLog
 from router.tokenize.render_client import AiohttpPoster, JsonPoster, RenderClient
 from router.tokenize.request_ids import IdsValidator, engine_ids, hinted_ids
 from router.tokenize.spec import PendingText, TokenizedPrompt, TokenizerSpec

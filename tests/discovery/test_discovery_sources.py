@@ -325,19 +325,3 @@ def test_discovery_config_defaults_and_errors() -> None:
     ]:
         with pytest.raises(DiscoveryConfigError, match=msg):
             parse_discovery_config(bad)
-
-
-def test_rate_limited_log_is_bounded_and_rate_limited(caplog: pytest.LogCaptureFixture) -> None:
-    import logging
-
-    from router.discovery.sink import RateLimitedLog
-
-    now = [0.0]
-    rl = RateLimitedLog(logging.getLogger("t"), interval=10, clock=lambda: now[0], max_keys=3)
-    assert rl.warning("a", "m %s", 1) and not rl.warning("a", "m %s", 2)
-    now[0] = 10.0
-    assert rl.warning("a", "m %s", 3)
-    for key in "bcdef":
-        rl.warning(key, "k")
-    assert len(rl._last) == 3  # bounded: oldest keys forgotten
-    assert [r.getMessage() for r in caplog.records][:2] == ["m 1", "m 3"]

@@ -235,17 +235,3 @@ def test_request_templates_are_kept_within_a_bound(tmp_path: Path) -> None:
         assert text == f"T{i}hi"
     assert len(tok._request_compiled) == bound
     assert "T0{{ messages[0].content }}" not in tok._request_compiled  # the oldest went first
-
-
-def test_rate_limited_log_is_bounded_and_quiet(caplog: pytest.LogCaptureFixture) -> None:
-    import logging
-
-    from router.tokenize import ratelog
-
-    log = ratelog.RateLimitedLog(logging.getLogger("t"), interval_s=60)
-    for _ in range(5):
-        log.warning("same", "message %s", 1)
-    assert sum(r.message == "message 1" for r in caplog.records) == 1
-    for i in range(ratelog._KEYS_KEPT + 10):
-        log.warning(f"k{i}", "m")
-    assert len(log._last) == ratelog._KEYS_KEPT

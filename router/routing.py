@@ -29,6 +29,7 @@ from router.policy import (
     uses_cache,
 )
 from router.prefix_sharing import PrefixSharing
+from router.recent_sessions import RecentSessions
 from router.workers import ModelRoute, Worker, WorkerRegistry
 
 log = logging.getLogger("kvroute.router.routing")
@@ -121,6 +122,12 @@ class Routing:
         self._sharing = (
             PrefixSharing(cfg.hash_unit, cfg.sharing_max_keys)
             if cfg.junction_shared_only and cfg.affinity_weight > 0 and uses_cache(policy)
+            else None
+        )
+        # where conversations were sent lately, for placing cold prompts (TTFT policy only)
+        self._recent = (
+            RecentSessions(cfg.cold_avoid_recent_s, cfg.recent_max_sessions)
+            if cfg.cold_avoid_recent_s > 0 and uses_cache(policy)
             else None
         )
 
@@ -292,7 +299,8 @@ class Routing:
         """Choose among eligible workers; raises 503 when there are none."""
         started = time.perf_counter()
         workers = self.eligible(route, exclude)
-        decision = self.policy.decide(workers, self.route_input(req, prompt, reuse), self._clock())
+        now = self._clock()
+        decision = self.policy.decide(workers, self.route_input(req, prompt, reuse, now), now)
         self._decision_hist.observe(time.perf_counter() - started)
         self._metrics.child(self._decision_count, decision.policy, decision.reason).inc()
         if decision.chosen is None:
@@ -301,6 +309,8 @@ class Routing:
                 f"no healthy worker can serve model `{route.name}` right now",
                 retry_after=self._retry_after,
             )
+        if self._recent is not None and decision.session_key is not None:
+            self._recent.sent(decision.session_key, decision.chosen.name, prompt.n_tokens, now)
         # Only prompts with hybrid coverage: a dense fleet (or the full-attention-only index)
         # never uses the answer, and a block nobody noted is credited anyway.
         if self._sharing is not None and prompt.coverage:
@@ -313,7 +323,11 @@ class Routing:
         return decision
 
     def route_input(
-        self, req: ClientRequest, prompt: Prompt, reuse: Mapping[str, int | None]
+        self,
+        req: ClientRequest,
+        prompt: Prompt,
+        reuse: Mapping[str, int | None],
+        now: float | None = None,
     ) -> RouteInput:
         """What the policy sees of this request (the proxy and /admin/score alike)."""
         key = session_key(req.header_map, req.body, self.cfg)
@@ -325,7 +339,10 @@ class Routing:
                     own_from = self._sharing.own_from(keys, _owner(key))
                 except Exception as exc:  # route as if the prompt were nobody's history
                     self._sharing_failed(exc)
-        return RouteInput(prompt.n_tokens, reuse, key, prompt.coverage, own_from)
+        back = None
+        if self._recent is not None:
+            back = self._recent.expected(self._clock() if now is None else now, key)
+        return RouteInput(prompt.n_tokens, reuse, key, prompt.coverage, own_from, back)
 
     def _sharing_failed(self, exc: Exception) -> None:
         self._ratelog.error("sharing", "prefix sharing bookkeeping failed: %r", exc)

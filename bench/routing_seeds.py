@@ -30,6 +30,7 @@ and per-request records under ``bench/results/seeds/seed<k>/``.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import shlex
 import statistics
@@ -72,6 +73,25 @@ def _by_session(answered: dict[str, dict[str, Any]]) -> dict[str, list[float]]:
     for rid, r in answered.items():
         out.setdefault(r.get("session") or f"request {rid}", []).append(float(r["ttft"]))
     return out
+
+
+def history_losses(answered: dict[str, dict[str, Any]]) -> tuple[int, int]:
+    """(later turns, those that lost their history): a conversation's turn after its first
+    loses its history when the engine reports fewer cached tokens than half the previous
+    turn's prompt, which that turn left in some engine's cache (evicted since, or sent where
+    it is not). Requests without a session are their own conversation."""
+    turns: dict[str, list[dict[str, Any]]] = {}
+    for r in answered.values():
+        if r.get("session"):
+            turns.setdefault(r["session"], []).append(r)
+    later = lost = 0
+    for rs in turns.values():
+        rs.sort(key=lambda r: r.get("sent") or 0.0)
+        for prev, cur in itertools.pairwise(rs):
+            later += 1
+            if 2 * (cur.get("cached_tokens") or 0) < (prev.get("prompt_tokens") or 0):
+                lost += 1
+    return later, lost
 
 
 def cache_split(
@@ -159,6 +179,7 @@ def aggregate(
     for name in names:
         rows = {s: ok[s][name] for s in seeds if name in ok[s]}
         pooled = [t for s in rows for ts in sessions[s, name].values() for t in ts]
+        losses = [history_losses(answered[s, name]) for s in rows]
         routers.append(
             {
                 "name": name,
@@ -170,6 +191,10 @@ def aggregate(
                 "cached_ratio": _spread([x for r in rows.values() if (x := _ratio(r)) is not None]),
                 "ttft_p50": _spread([r["summary"]["ttft_p50"] for r in rows.values()]),
                 "ttft_p99": _spread([r["summary"]["ttft_p99"] for r in rows.values()]),
+                "history": {
+                    "later_turns": sum(n for n, _ in losses),
+                    "lost": sum(k for _, k in losses),
+                },
                 "pooled": {
                     "requests": len(pooled),
                     "ttft_p50": percentile(pooled, 50),
@@ -215,6 +240,12 @@ def _add_oracle_share(routers: list[dict[str, Any]], ok: dict[int, dict[str, Any
         r["vs_oracle"] = mine / theirs if seeds and theirs else None
 
 
+def _lost(h: dict[str, int] | None) -> str:
+    if not h or not h["later_turns"]:
+        return "-"
+    return f"{h['lost']}/{h['later_turns']} ({h['lost'] / h['later_turns']:.1%})"
+
+
 def _range(sp: dict[str, float] | None, pct: bool = False) -> str:
     if sp is None:
         return "-"
@@ -233,7 +264,9 @@ def markdown(profile: str, agg: dict[str, Any], first: dict[str, Any], command: 
         f"{', '.join(map(str, seeds))} (about {first['trace']['requests']} requests each); "
         f"replay: {first['replay']}. Each seed runs every router on a fresh fleet, one after "
         "another. Per-seed values are medians over seeds (range in brackets); pooled = every "
-        "request of every seed together.",
+        "request of every seed together. A later turn lost its history when the engine "
+        "reported fewer cached tokens than half the previous turn's prompt (evicted between "
+        "the turns, or sent where it was not).",
         "",
     ]
     headers = [
@@ -242,6 +275,7 @@ def markdown(profile: str, agg: dict[str, Any], first: dict[str, Any], command: 
         "cached % (median, range)",
         "TTFT p50 (s)",
         "TTFT p99 (s)",
+        "later turns that lost their history",
         "pooled requests",
         "pooled p50",
         "pooled p90",
@@ -254,6 +288,7 @@ def markdown(profile: str, agg: dict[str, Any], first: dict[str, Any], command: 
             _range(r["cached_ratio"], pct=True),
             _range(r["ttft_p50"]),
             _range(r["ttft_p99"]),
+            _lost(r.get("history")),
             str(r["pooled"]["requests"]),
             fmt(r["pooled"]["ttft_p50"]),
             fmt(r["pooled"]["ttft_p90"]),

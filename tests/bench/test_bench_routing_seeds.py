@@ -17,6 +17,7 @@ from bench.routing_seeds import (
     _split_args,
     aggregate,
     cache_split,
+    history_losses,
     main,
     markdown,
     merge_earlier,
@@ -42,6 +43,25 @@ def _records(run_dir: Path, name: str, ttfts: list[float | None]) -> None:
             ok = t is not None
             rec = {"id": str(i), "ttft": t, "status": 200 if ok else 502, "error": None}
             f.write(json.dumps(rec) + "\n")
+
+
+def test_history_losses_count_later_turns_that_found_less_than_half_the_previous_prompt() -> None:
+    def rec(i: str, session: str | None, sent: float, prompt: int, cached: int) -> Any:
+        return i, {"id": i, "session": session, "sent": sent, "prompt_tokens": prompt,
+                   "cached_tokens": cached}  # fmt: skip
+
+    answered = dict(
+        [
+            rec("a2", "a", 2.0, 3000, 999),  # < 1000 of a1's 2000: lost
+            rec("a0", "a", 0.0, 1000, 0),  # first turn: not counted
+            rec("a1", "a", 1.0, 2000, 500),  # exactly half of a0's 1000: kept
+            rec("b0", "b", 0.5, 4000, 0),
+            rec("b1", "b", 3.0, 5000, 0),  # lost
+            rec("x", None, 0.1, 9000, 0),  # no session: its own conversation
+        ]
+    )
+    assert history_losses(answered) == (3, 2)
+    assert history_losses({}) == (0, 0)
 
 
 def test_aggregate_medians_pooled_and_paired(tmp_path: Path) -> None:

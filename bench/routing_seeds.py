@@ -30,6 +30,7 @@ and per-request records under ``bench/results/seeds/seed<k>/``.
 from __future__ import annotations
 
 import argparse
+import gzip
 import itertools
 import json
 import shlex
@@ -56,14 +57,18 @@ def _ratio(row: dict[str, Any]) -> float | None:
 def _answered(run_dir: Path, name: str) -> dict[str, dict[str, Any]]:
     """A router's answered requests in one seed's run, by request id."""
     path = run_dir / f"{name}.records.jsonl"
-    if not path.exists():
+    packed = path.with_name(path.name + ".gz")  # as kept under bench/results
+    if not path.exists() and not packed.exists():
         return {}
+    if path.exists():
+        text = path.read_text("utf-8")
+    else:
+        text = gzip.decompress(packed.read_bytes()).decode("utf-8")
     out: dict[str, dict[str, Any]] = {}
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            r = json.loads(line)
-            if r.get("ttft") is not None and r.get("status") == 200 and r.get("error") is None:
-                out[str(r.get("id"))] = r
+    for line in text.splitlines():
+        r = json.loads(line)
+        if r.get("ttft") is not None and r.get("status") == 200 and r.get("error") is None:
+            out[str(r.get("id"))] = r
     return out
 
 
@@ -483,7 +488,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         cfg = build_config(args)
         # by rank among the seeds: the smallest (whose rows order the report) keeps the order
-        configs[seed] = replace(cfg, routers=rotated(cfg.routers, sorted(seeds).index(seed)))
+        configs[seed] = replace(cfg, routers=tuple(rotated(cfg.routers, sorted(seeds).index(seed))))
     first_cfg = configs[seeds[0]]
     if reference is not None and reference not in first_cfg.routers:
         raise SystemExit(f"--reference {reference!r} is not one of --routers {first_cfg.routers}")

@@ -141,6 +141,16 @@ class Routing:
         """How many remembered prompt keys were forgotten at `policy.sharing_max_keys`."""
         return 0 if self._sharing is None else self._sharing.forgotten
 
+    @property
+    def recent_sessions(self) -> int:
+        """Conversations remembered for cold placement (0 when `cold_avoid_recent_s` is off)."""
+        return 0 if self._recent is None else len(self._recent)
+
+    @property
+    def forgotten_recent_sessions(self) -> int:
+        """Conversations forgotten at `policy.recent_max_sessions` within their window."""
+        return 0 if self._recent is None else self._recent.forgotten
+
     def resolve_model(self, req: ClientRequest) -> ModelRoute:
         """The request's model; a missing model is fine when the fleet serves exactly one."""
         name = req.model

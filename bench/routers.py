@@ -133,14 +133,6 @@ ROUTERS: dict[str, RouterSpec] = {
             (("KVROUTE_POLICY__LEARN_PREFILL_RATE", "true"),),
         ),
         RouterSpec(
-            "kvroute-cold-avoid-recent",
-            "kvroute (default, cold prompts where the fewest turns sent in the last 10 s are "
-            "expected back)",
-            "kvroute",
-            "ttft",
-            (("KVROUTE_POLICY__COLD_AVOID_RECENT_S", "10"),),
-        ),
-        RouterSpec(
             "kvroute-junction-any-prefix",
             "kvroute (default, junction credit 0.5 for any covered prefix, as before stop 25)",
             "kvroute",

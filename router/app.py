@@ -256,23 +256,6 @@ def create_app(
     )
     metrics.registry.register(
         ScalarGauge(
-            "kvroute_recent_sessions",
-            "Conversations remembered with the worker they were last sent to (cold "
-            "placement with policy.cold_avoid_recent_s; bounded by policy.recent_max_sessions)",
-            lambda: routing.recent_sessions,
-        )
-    )
-    metrics.registry.register(
-        ScalarGauge(
-            "kvroute_recent_sessions_forgotten",
-            "Conversations forgotten at policy.recent_max_sessions before their window passed "
-            "(least recently sent first)",
-            lambda: routing.forgotten_recent_sessions,
-            counter=True,
-        )
-    )
-    metrics.registry.register(
-        ScalarGauge(
             "kvroute_event_loop_stalled_seconds",
             "Time this process's event loop could not run (late by 5 ms or more) while an "
             "upstream connect or probe was pending; their timeouts do not count it",

@@ -171,18 +171,6 @@ class PolicyConfig:
         "prefill (its next turn follows the cache, not the hash); a large value = the hash "
         "with bounded load alone",
     )
-    cold_avoid_recent_s: float = _f(
-        0.0,
-        "a request with no cache evidence goes, among the workers about as fast as the "
-        "fastest (session_slack_tokens), to the one expecting the fewest prompt tokens back "
-        "from conversations sent there within this many seconds (their next turns; see "
-        "router.recent_sessions), the session's hash breaking ties; 0 = off (the hash alone)",
-    )
-    recent_max_sessions: int = _f(
-        65_536,
-        "cold_avoid_recent_s: how many conversations' last workers are remembered (the least "
-        "recently sent are forgotten first)",
-    )
     virtual_nodes: int = _f(64, "consistent hashing: ring points per worker")
     hash_unit: int = _f(16, "index hash unit in tokens; must divide every group's block size")
     expect_seconds: float = _f(

@@ -322,8 +322,6 @@ def validate(c: RouterConfig) -> list[str]:
     need(p.step_wait_weight >= 0, "policy.step_wait_weight: expected >= 0")
     need(p.affinity_weight >= 0, "policy.affinity_weight: expected >= 0")
     need(p.sharing_max_keys >= 1, "policy.sharing_max_keys: expected >= 1")
-    need(p.cold_avoid_recent_s >= 0, "policy.cold_avoid_recent_s: expected >= 0")
-    need(p.recent_max_sessions >= 1, "policy.recent_max_sessions: expected >= 1")
     need(p.queue_weight >= 0, "policy.queue_weight: expected >= 0")
     need(p.session_bounded_load >= 1, "policy.session_bounded_load: expected >= 1")
     need(p.session_slack_tokens >= 0, "policy.session_slack_tokens: expected >= 0")

@@ -87,9 +87,6 @@ class RouteInput:
     # where the prompt becomes its conversation's own history (`router.prefix_sharing`;
     # None: nothing of it known to be its own)
     own_from: int | None = None
-    # prompt tokens per worker of other conversations sent there lately, whose next turns
-    # are expected back (`router.recent_sessions`; None: not tracked)
-    expected_back: Mapping[str, int] | None = None
 
 
 class LoadModel:
@@ -333,20 +330,9 @@ class TTFTPolicy(Policy):
             slack = self.cfg.session_slack_tokens * self.load_model.seconds_per_token()
             limit = min(c.est_ttft_s for c in calm) + slack
             near = [c for c in calm if c.est_ttft_s <= limit]
-            detail = "no cache evidence; session affinity (bounded load)"
-            back = req.expected_back
-            if back is not None and len(near) > 1:
-                # a cold prefill where the fewest next turns are expected queues ahead of,
-                # and evicts the state of, the fewest returning conversations
-                least = min(back.get(c.name, 0) for c in near)
-                near = [c for c in near if back.get(c.name, 0) == least]
-                detail = (
-                    f"no cache evidence; fewest returning prompt tokens expected ({least}), "
-                    "then session affinity (bounded load)"
-                )
             chosen = self.session.pick(near, req.session_key)
             if chosen is not None:
-                return chosen, SESSION, detail
+                return chosen, SESSION, "no cache evidence; session affinity (bounded load)"
         chosen = least_load(calm, self.rotation)
         return chosen, LEAST_LOAD, "no cache evidence and no session key; least load"
 

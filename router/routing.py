@@ -29,7 +29,6 @@ from router.policy import (
     uses_cache,
 )
 from router.prefix_sharing import PrefixSharing
-from router.recent_sessions import RecentSessions
 from router.workers import ModelRoute, Worker, WorkerRegistry
 
 log = logging.getLogger("kvroute.router.routing")
@@ -124,12 +123,6 @@ class Routing:
             if cfg.junction_shared_only and cfg.affinity_weight > 0 and uses_cache(policy)
             else None
         )
-        # where conversations were sent lately, for placing cold prompts (TTFT policy only)
-        self._recent = (
-            RecentSessions(cfg.cold_avoid_recent_s, cfg.recent_max_sessions)
-            if cfg.cold_avoid_recent_s > 0 and uses_cache(policy)
-            else None
-        )
 
     @property
     def remembered_prompt_keys(self) -> int:
@@ -140,16 +133,6 @@ class Routing:
     def forgotten_prompt_keys(self) -> int:
         """How many remembered prompt keys were forgotten at `policy.sharing_max_keys`."""
         return 0 if self._sharing is None else self._sharing.forgotten
-
-    @property
-    def recent_sessions(self) -> int:
-        """Conversations remembered for cold placement (0 when `cold_avoid_recent_s` is off)."""
-        return 0 if self._recent is None else len(self._recent)
-
-    @property
-    def forgotten_recent_sessions(self) -> int:
-        """Conversations forgotten at `policy.recent_max_sessions` within their window."""
-        return 0 if self._recent is None else self._recent.forgotten
 
     def resolve_model(self, req: ClientRequest) -> ModelRoute:
         """The request's model; a missing model is fine when the fleet serves exactly one."""
@@ -309,8 +292,7 @@ class Routing:
         """Choose among eligible workers; raises 503 when there are none."""
         started = time.perf_counter()
         workers = self.eligible(route, exclude)
-        now = self._clock()
-        decision = self.policy.decide(workers, self.route_input(req, prompt, reuse, now), now)
+        decision = self.policy.decide(workers, self.route_input(req, prompt, reuse), self._clock())
         self._decision_hist.observe(time.perf_counter() - started)
         self._metrics.child(self._decision_count, decision.policy, decision.reason).inc()
         if decision.chosen is None:
@@ -319,8 +301,6 @@ class Routing:
                 f"no healthy worker can serve model `{route.name}` right now",
                 retry_after=self._retry_after,
             )
-        if self._recent is not None and decision.session_key is not None:
-            self._recent.sent(decision.session_key, decision.chosen.name, prompt.n_tokens, now)
         # Only prompts with hybrid coverage: a dense fleet (or the full-attention-only index)
         # never uses the answer, and a block nobody noted is credited anyway.
         if self._sharing is not None and prompt.coverage:
@@ -333,11 +313,7 @@ class Routing:
         return decision
 
     def route_input(
-        self,
-        req: ClientRequest,
-        prompt: Prompt,
-        reuse: Mapping[str, int | None],
-        now: float | None = None,
+        self, req: ClientRequest, prompt: Prompt, reuse: Mapping[str, int | None]
     ) -> RouteInput:
         """What the policy sees of this request (the proxy and /admin/score alike)."""
         key = session_key(req.header_map, req.body, self.cfg)
@@ -349,10 +325,7 @@ class Routing:
                     own_from = self._sharing.own_from(keys, _owner(key))
                 except Exception as exc:  # route as if the prompt were nobody's history
                     self._sharing_failed(exc)
-        back = None
-        if self._recent is not None:
-            back = self._recent.expected(self._clock() if now is None else now, key)
-        return RouteInput(prompt.n_tokens, reuse, key, prompt.coverage, own_from, back)
+        return RouteInput(prompt.n_tokens, reuse, key, prompt.coverage, own_from)
 
     def _sharing_failed(self, exc: Exception) -> None:
         self._ratelog.error("sharing", "prefix sharing bookkeeping failed: %r", exc)

@@ -205,44 +205,6 @@ def test_a_sharing_bookkeeping_failure_routes_the_request_and_is_counted(
     assert len(logged) == 1
 
 
-def test_cold_conversations_spread_away_from_workers_expecting_turns_back() -> None:
-    """With policy.cold_avoid_recent_s, the router remembers where it sent each conversation
-    and a new one (nothing cached anywhere) goes where none is expected back."""
-
-    async def go() -> None:
-        policy = {"name": "ttft", "cold_avoid_recent_s": 30.0}
-        async with fleet({"w0": [], "w1": [], "w2": []}, policy=policy) as r:
-            seen = []
-            for i, user in enumerate(("alice", "bob", "carol")):
-                prompt = list(range(20_000 * (i + 1), 20_000 * (i + 1) + 600))
-                body = {"model": "m", "prompt": prompt, "max_tokens": 1, "user": user}
-                resp = await r.client.post("/v1/completions", json=body)
-                assert resp.status_code == 200, resp.text
-                seen.append(resp.json()["engine"])
-            assert sorted(seen) == ["w0", "w1", "w2"]
-            d = r.parts.decisions.recent(1)[0].decision
-            assert d.reason == "session" and "fewest returning" in d.detail
-            text = (await r.client.get("/metrics")).text
-            assert "kvroute_recent_sessions 3.0" in text
-
-    asyncio.run(go())
-
-
-def test_remembered_conversations_are_bounded_and_the_forgotten_counted() -> None:
-    async def go() -> None:
-        policy = {"name": "ttft", "cold_avoid_recent_s": 30.0, "recent_max_sessions": 2}
-        async with fleet({"w0": [], "w1": []}, policy=policy) as r:
-            for i in range(5):
-                prompt = list(range(20_000 * (i + 1), 20_000 * (i + 1) + 100))
-                body = {"model": "m", "prompt": prompt, "max_tokens": 1, "user": f"u{i}"}
-                assert (await r.client.post("/v1/completions", json=body)).status_code == 200
-            text = (await r.client.get("/metrics")).text
-            assert "kvroute_recent_sessions 2.0" in text
-            assert "kvroute_recent_sessions_forgotten_total 3.0" in text
-
-    asyncio.run(go())
-
-
 def test_expectation_sends_a_follow_up_to_the_same_worker() -> None:
     async def go() -> None:
         async with fleet({"w0": [], "w1": [], "w2": []}) as r:

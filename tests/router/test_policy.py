@@ -171,31 +171,6 @@ def test_cold_session_leaves_its_hash_for_a_worker_without_a_queued_prefill() ->
     assert d.chosen is not None and d.chosen.name == home
 
 
-def test_a_cold_request_goes_where_the_fewest_returning_turns_are_expected() -> None:
-    cfg, lm = policy(cold_avoid_recent_s=10.0)
-    p = make_policy(cfg, lm)
-    ws = fleet(3)
-    # without expectations every worker is near: the hash of each session decides
-    hashed = {s: p.decide(ws, RouteInput(100, {}, s), 0.0).chosen.name for s in ("a", "b", "c")}  # type: ignore[union-attr]
-    back = {"w0": 6000, "w1": 1000, "w2": 1000}
-    for s in ("a", "b", "c"):
-        d = p.decide(ws, RouteInput(100, {}, s, expected_back=back), 0.0)
-        assert d.chosen is not None and d.reason == SESSION
-        assert d.chosen.name in {"w1", "w2"} and "fewest returning" in d.detail
-        # between the two least expected, the session's hash still decides
-        if hashed[s] != "w0":
-            assert d.chosen.name == hashed[s]
-    back = {"w0": 6000, "w1": 1000}  # w2 expects nothing back
-    picks = {p.decide(ws, RouteInput(100, {}, f"u{i}", expected_back=back), 0.0).chosen.name  # type: ignore[union-attr]
-             for i in range(50)}  # fmt: skip
-    assert picks == {"w2"}
-    # only among the workers about as fast as the fastest: a queued prefill is not waited
-    # for to dodge expected turns
-    LoadTicket(ws[2].load, 100_000)
-    d = p.decide(ws, RouteInput(100, {}, "u1", expected_back=back), 0.0)
-    assert d.chosen is not None and d.chosen.name == "w1"
-
-
 def test_a_crowded_home_loses_its_discount_with_home_load_bound() -> None:
     """A tenant's 1,200-token system prompt cached only on w0, which already runs 20
     requests (the others 2): the home discount keeps drawing new conversations there unless

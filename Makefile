@@ -61,17 +61,17 @@ $(HELM_LIB): $(STAMP)
 helm-lib: $(HELM_LIB)
 
 proto: $(STAMP)
-	$(PY) -m proto.generate
+	$(PY) -m kvroute.proto.generate
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
 typecheck: $(STAMP)
-	$(VENV)/bin/mypy indexer bridge router
+	$(VENV)/bin/mypy kvroute/indexer kvroute/bridge kvroute/router
 
 test: $(STAMP) $(VLLM_STAMP) $(HELM_LIB) $(CHROMIUM)
-	$(PY) -m proto.generate --check
+	$(PY) -m kvroute.proto.generate --check
 	$(MAKE) lint typecheck
 	KVROUTE_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python KVROUTE_REQUIRE_VLLM=1 \
 		KVROUTE_HELM_LIB=$(abspath $(HELM_LIB)) KVROUTE_REQUIRE_HELM=1 \

@@ -2,7 +2,7 @@
 
     python -m bench.bridge_bench            # full run (about a minute)
     python -m bench.bridge_bench --smoke    # seconds; same code paths
-    python -m bench.bridge_bench --baseline main   # also bridge/state.py of a git ref,
+    python -m bench.bridge_bench --baseline main   # also kvroute/bridge/state.py of a git ref,
                                                    # interleaved, printed side by side
 
 Prints a table and writes bench/results/bridge.json. Workloads use 16-token blocks, random
@@ -35,10 +35,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bridge import vllm_schema as s
-from bridge.convert import ConvertStats, convert_batch
-from bridge.state import EngineState
-from proto.events_pb2 import KvEventBatch, SubscribeResponse
+from kvroute.bridge import vllm_schema as s
+from kvroute.bridge.convert import ConvertStats, convert_batch
+from kvroute.bridge.state import EngineState
+from kvroute.proto.events_pb2 import KvEventBatch, SubscribeResponse
 
 BLOCK = 16
 RESULTS = Path(__file__).resolve().parent / "results" / "bridge.json"
@@ -128,10 +128,11 @@ def _timed(fn: Callable[[], None], min_seconds: float) -> tuple[float, int]:
 
 
 def baseline_state(ref: str) -> type[EngineState]:
-    """`EngineState` of bridge/state.py at git ref `ref` (its other imports: this tree's)."""
+    """`EngineState` of kvroute/bridge/state.py at git ref `ref` (its other imports: this
+    tree's)."""
     root = Path(__file__).resolve().parent.parent
     source = subprocess.run(
-        ["git", "-C", str(root), "show", f"{ref}:bridge/state.py"],
+        ["git", "-C", str(root), "show", f"{ref}:kvroute/bridge/state.py"],
         check=True,
         capture_output=True,
     ).stdout
@@ -217,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--baseline",
         metavar="GIT_REF",
-        help="also measure bridge/state.py of this ref, interleaved (before/after)",
+        help="also measure kvroute/bridge/state.py of this ref, interleaved (before/after)",
     )
     parser.add_argument(
         "--repeat", type=int, default=1, help="throughput runs per case; medians reported"
@@ -311,7 +312,7 @@ def compare(args: argparse.Namespace) -> int:
             }
         )
     print(f"load average: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (shared machine)")
-    print(f"before = bridge/state.py at {args.baseline}; after = this tree\n")
+    print(f"before = kvroute/bridge/state.py at {args.baseline}; after = this tree\n")
     print(f"{'workload':<10}{'vocab':>8}{'blocks':>8}{'B/block before':>16}{'after':>8}"
           f"{'snapshot s before':>19}{'after':>7}")  # fmt: skip
     for m in mems:

@@ -1,5 +1,5 @@
 """Which async HTTP client should the proxy use upstream? aiohttp, httpx and the router's own
-lean HTTP/1.1 client (router/http1.py), side by side.
+lean HTTP/1.1 client (kvroute/router/edge/http1.py), side by side.
 
 Both clients talk to the same instant engine (its own process) through pooled keep-alive
 connections, with the same request body, at concurrency 1 and 64, non-streaming and
@@ -100,7 +100,7 @@ async def bench_httpx(url: str, concurrency: int, total: int, stream: bool) -> d
 
 
 async def bench_http1(url: str, concurrency: int, total: int, stream: bool) -> dict[str, float]:
-    from router.http1 import Http1Pool
+    from kvroute.router.edge.http1 import Http1Pool
 
     pool = Http1Pool(limit=1024, connect_s=3.0, read_idle_s=600.0)
     headers = list(HEADERS.items())

@@ -30,9 +30,9 @@ from functools import partial
 from pathlib import Path
 
 from bench.report import index_plot
-from indexer import FleetIndex, content_keys
-from indexer.keys import MASK64
-from proto import events_pb2 as pb
+from kvroute.indexer import FleetIndex, content_keys
+from kvroute.indexer.keys import MASK64
+from kvroute.proto import events_pb2 as pb
 
 UNIT = 16
 CHUNK = 2048  # tokens per prefill step
@@ -230,12 +230,13 @@ def bench_score(
 
 
 def bench_sharing(prompt_sizes: list[int], repeat: int) -> list[dict[str, object]]:
-    """The router's junction-credit bookkeeping per request (router.prefix_sharing), next to
+    """The router's junction-credit bookkeeping per request
+    (kvroute.router.routing.prefix_sharing), next to
     hashing the same prompt. Conversations share a system prompt and the map holds each
     one's previous turn (the first three quarters of its prompt); each timed `note` records
     a different conversation's next turn, as the router does, so a quarter of its keys are
     new every time; `own_from` looks up where that turn's own history starts."""
-    from router.prefix_sharing import PrefixSharing
+    from kvroute.router.routing.prefix_sharing import PrefixSharing
 
     rows: list[dict[str, object]] = []
     rounds = 3  # timed()'s
@@ -360,8 +361,9 @@ def markdown(result: dict[str, object]) -> str:
         "",
         "## Junction-credit bookkeeping (ms)",
         "",
-        "What the router adds per request on hybrid fleets (`router.prefix_sharing`): a",
-        "conversation's next turn noted as asked for by it (a quarter of its keys new, each",
+        "What the router adds per request on hybrid fleets",
+        "(`kvroute.router.routing.prefix_sharing`): a conversation's next turn noted as asked",
+        "for by it (a quarter of its keys new, each",
         "call a different conversation), and the lookup of where its own history starts, with",
         "every conversation's previous turn held; hashing the same prompt for scale. Medians",
         "of the quietest of 3 rounds.",

@@ -34,8 +34,8 @@ from typing import IO, Any
 
 import yaml
 
-from bench.procs import cpu_seconds
-from sim.model import MODEL_DIR
+from kvroute.sim.model import MODEL_DIR
+from kvroute.testbed.procs import cpu_seconds
 
 ROOT = Path(__file__).resolve().parent.parent
 ADMIN_TOKEN = "reliability-admin-token"

@@ -35,11 +35,11 @@ from typing import Any
 import aiohttp
 import yaml
 
-from bench.peers import find_peers
-from bench.procs import ProcessGroup, free_port
 from bench.report import fmt, markdown_table
-from bench.stats import percentile
-from bench.textgen import TokenSpace
+from kvroute.testbed.peers import find_peers
+from kvroute.testbed.procs import ProcessGroup, free_port
+from kvroute.testbed.stats import percentile
+from kvroute.testbed.textgen import TokenSpace
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODEL = "m"  # the instant engine's model name
@@ -90,7 +90,7 @@ def _engine_urls(pg: ProcessGroup, n: int) -> list[str]:
 def _router_cmd(t: Target, port: int, urls: list[str], run_dir: Path) -> list[str]:
     peers = find_peers()
     if t.kind == "kvroute":
-        from sim.model import MODEL_DIR
+        from kvroute.sim.model import MODEL_DIR
 
         config = {
             "workers": [{"name": f"e{i}", "url": u, "model": MODEL} for i, u in enumerate(urls)],

@@ -339,8 +339,8 @@ async def fuzz_http(http: aiohttp.ClientSession, router: str, n: int, seed: int)
 
 
 def fuzz_index(n: int, seed: int) -> dict[str, Any]:
-    from indexer import FleetIndex, Namespace
-    from proto import events_pb2
+    from kvroute.indexer import FleetIndex, Namespace
+    from kvroute.proto import events_pb2
 
     rng = random.Random(seed)
     crashes = 0
@@ -366,7 +366,7 @@ def fuzz_index(n: int, seed: int) -> dict[str, Any]:
 
 
 def _nonsense(rng: random.Random) -> Any:
-    from proto import events_pb2
+    from kvroute.proto import events_pb2
 
     events = [
         events_pb2.KvGroupEvent(
@@ -393,7 +393,7 @@ def _nonsense(rng: random.Random) -> Any:
 
 
 def fuzz_config(n: int, seed: int) -> dict[str, Any]:
-    from router.config_load import ConfigError, config_from_dict
+    from kvroute.router.config_load import ConfigError, config_from_dict
 
     rng = random.Random(seed)
     crashes = 0

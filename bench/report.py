@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.stats import TTFT_PART_LABELS, TTFT_PARTS
+from kvroute.testbed.stats import TTFT_PART_LABELS, TTFT_PARTS
 
 
 def fmt(x: Any, nd: int = 3, pct: bool = False) -> str:

@@ -38,7 +38,7 @@ import uvloop
 import yaml
 
 from bench.instant_engine import running_engine
-from bench.procs import cpu_seconds, free_port
+from kvroute.testbed.procs import cpu_seconds, free_port
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PROMPT_IDS = list(range(1000, 1000 + 1024))
@@ -291,7 +291,7 @@ def paced_streams(
 
 
 def _stores(prompt: list[int], length: int) -> list[Any]:
-    from proto import events_pb2
+    from kvroute.proto import events_pb2
 
     op = events_pb2.KvGroupEvent
     blocks = length // 16
@@ -310,14 +310,14 @@ def _stores(prompt: list[int], length: int) -> list[Any]:
 
 def decision_time(n_tokens: int, n_workers: int, iterations: int) -> dict[str, Any]:
     """Median/p99 of token ids -> chosen worker through the router's own objects."""
-    from proto import events_pb2
-    from router.config import BreakerConfig, PolicyConfig, WorkerSpec
-    from router.fleet_index import FleetIndexView
-    from router.metrics import RouterMetrics
-    from router.openai_request import parse_request
-    from router.policy import LoadModel, make_policy
-    from router.routing import Prompt, Routing
-    from router.workers import WorkerRegistry
+    from kvroute.proto import events_pb2
+    from kvroute.router.config import BreakerConfig, PolicyConfig, WorkerSpec
+    from kvroute.router.edge.openai_request import parse_request
+    from kvroute.router.fleet.workers import WorkerRegistry
+    from kvroute.router.ops.metrics import RouterMetrics
+    from kvroute.router.routing.fleet_index_view import FleetIndexView
+    from kvroute.router.routing.pipeline import Prompt, Routing
+    from kvroute.router.routing.policy import LoadModel, make_policy
 
     rng = random.Random(1)
     prompt = [rng.randrange(1, 150_000) for _ in range(n_tokens)]
@@ -377,8 +377,8 @@ def decision_time(n_tokens: int, n_workers: int, iterations: int) -> dict[str, A
 def event_apply(blocks: int, batches: int) -> dict[str, Any]:
     """What applying events on the router's event loop costs: live batches (one 8-block
     STORE each) and one snapshot of `blocks` blocks (8K-token prompts, one group)."""
-    from proto import events_pb2
-    from router.fleet_index import FleetIndexView
+    from kvroute.proto import events_pb2
+    from kvroute.router.routing.fleet_index_view import FleetIndexView
 
     op = events_pb2.KvGroupEvent
     rng = random.Random(0)
@@ -438,10 +438,10 @@ async def _loop_stalls(snap: Any) -> dict[str, Any]:
     """The longest the event loop goes without running another task while a view of the
     snapshot's size is replaced by it: at once (`apply_snapshot`), and the router's way
     (`EventSubscriptions` applies it in steps)."""
-    from router.config import EventsConfig
-    from router.events import EventSubscriptions
-    from router.fleet_index import FleetIndexView
-    from router.metrics import RouterMetrics
+    from kvroute.router.config import EventsConfig
+    from kvroute.router.fleet.event_subscriptions import EventSubscriptions
+    from kvroute.router.ops.metrics import RouterMetrics
+    from kvroute.router.routing.fleet_index_view import FleetIndexView
 
     async def watch(apply: Any) -> tuple[float, list[float], float]:
         gaps: list[float] = []

@@ -5,7 +5,7 @@ simulated fleet (cold caches), start the router in front of it, replay the same 
 through it, read the engines' own prefix-cache counters before and after, stop both. The
 results go to ``bench/results/routing_<profile>.{json,md,png}``.
 
-Routers (``--routers``, see :mod:`bench.routers`): kvroute with its default policy, with
+Routers (``--routers``, see :mod:`kvroute.testbed.routers`): kvroute with its default policy, with
 the index limited to full-attention groups, session affinity, least load and round robin;
 ``smg`` (cache_aware, round_robin) and ``vllm-router`` (cache_aware) from ``.venv-peers``;
 the oracle (asks every engine for its true hit before each request); and the bench's own
@@ -29,10 +29,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from bench.fleet import Fleet, FleetError, delta, scrape, start_fleet, vllm_python
-from bench.loadgen import LoadConfig, progress_printer, run_trace
-from bench.peers import find_peers
-from bench.procs import (
+from bench.report import routing_markdown, routing_plot
+from kvroute.testbed.loadgen import LoadConfig, progress_printer, run_trace
+from kvroute.testbed.peers import find_peers
+from kvroute.testbed.procs import (
     ProcessGroup,
     group_cpu_by_command,
     group_cpu_seconds,
@@ -40,8 +40,7 @@ from bench.procs import (
     pinned,
     split_cpus,
 )
-from bench.report import routing_markdown, routing_plot
-from bench.routers import (
+from kvroute.testbed.routers import (
     ROUTERS,
     RouterSpec,
     RouterUnavailable,
@@ -52,10 +51,11 @@ from bench.routers import (
     kvroute_predictions,
     start_router,
 )
-from bench.stats import summarize
-from bench.textgen import TokenSpace
-from bench.trace import TraceRequest, from_mooncake, read_jsonl, read_mooncake
-from bench.workload import PRESETS, describe, generate
+from kvroute.testbed.sim_fleet import Fleet, FleetError, delta, scrape, start_fleet, vllm_python
+from kvroute.testbed.stats import summarize
+from kvroute.testbed.textgen import TokenSpace
+from kvroute.testbed.trace import TraceRequest, from_mooncake, read_jsonl, read_mooncake
+from kvroute.testbed.workload import PRESETS, describe, generate
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # The simulated GPU runs 5x slower than the modelled H100 so that its time, not the CPU noise

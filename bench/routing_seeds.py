@@ -12,7 +12,7 @@ per router:
 - for the reference router (kvroute, else the first listed) against each other router: in how
   many seeds its p50 and p99 were lower, the median of the per-seed differences, and the
   pooled p50 and p99 difference with a 95% interval from a paired cluster bootstrap over the
-  sessions (``bench.stats.paired_bootstrap``): "lower" / "higher" only when the interval
+  sessions (``kvroute.testbed.stats.paired_bootstrap``): "lower" / "higher" only when the interval
   excludes zero,
 - with the oracle in the run, each router's cached tokens as a share of the oracle's.
 - the routers run in a rotated order from seed to seed (the k-th seed starts with the k-th
@@ -44,7 +44,7 @@ from typing import Any
 
 from bench.report import fmt, markdown_table, routing_markdown, routing_plot
 from bench.routing_bench import build_config, parse_args, run_profile
-from bench.stats import TTFT_PART_LABELS, TTFT_PARTS, paired_bootstrap, percentile
+from kvroute.testbed.stats import TTFT_PART_LABELS, TTFT_PARTS, paired_bootstrap, percentile
 
 ORACLE = "oracle"
 

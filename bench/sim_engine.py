@@ -1,6 +1,7 @@
 """How fast is the simulator itself? (so that benchmarks know it is not their bottleneck)
 
-1. Cache + scheduler, no HTTP, no sleeping: requests/s and steps/s through sim.engine.scheduler
+1. Cache + scheduler, no HTTP, no sleeping: requests/s and steps/s through
+kvroute.sim.engine.scheduler
    on SimCache, per model profile, with prompts that share prefixes.
 2. One engine over HTTP at a very high speed factor: completed requests/s with 32 concurrent
    clients (the Python HTTP path, tokenization and event publishing included).
@@ -23,13 +24,13 @@ from typing import Any
 
 import httpx
 
-from sim.cache import SimCache
-from sim.cache_api import CacheRequest, CacheSpec
-from sim.engine.core import EngineConfig
-from sim.engine.scheduler import Scheduler
-from sim.profiles import PROFILES
-from sim.publisher import PublisherConfig
-from sim.server import start_engine
+from kvroute.sim.cache import SimCache
+from kvroute.sim.cache_api import CacheRequest, CacheSpec
+from kvroute.sim.engine.core import EngineConfig
+from kvroute.sim.engine.scheduler import Scheduler
+from kvroute.sim.profiles import PROFILES
+from kvroute.sim.publisher import PublisherConfig
+from kvroute.sim.server import start_engine
 
 RESULTS = Path(__file__).resolve().parent / "results" / "sim_engine.json"
 

@@ -3,7 +3,7 @@
     python -m bench.tokenize_bench            # full run (a minute or two)
     python -m bench.tokenize_bench --smoke    # seconds; same code paths
 
-Uses the simulated engine's model directory (sim/model: byte-level BPE, ChatML template with
+Uses the simulated engine's model directory (kvroute/sim/model: byte-level BPE, ChatML template with
 tools). Conversations alternate user and assistant turns of about 250 tokens of generated text.
 Measured, per size:
 
@@ -39,12 +39,12 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from router.tokenize import Tokenizers, TokenizerSpec
-from router.tokenize.local import LocalTokenizer
-from router.tokenize.prefix_cache import PrefixCache
+from kvroute.router.tokenize import Tokenizers, TokenizerSpec
+from kvroute.router.tokenize.local import LocalTokenizer
+from kvroute.router.tokenize.prefix_cache import PrefixCache
 
 ROOT = Path(__file__).resolve().parents[1]
-MODEL = ROOT / "sim" / "model"
+MODEL = ROOT / "kvroute" / "sim" / "model"
 RESULTS = Path(__file__).resolve().parent / "results" / "tokenize.json"
 TURN_TOKENS = 250
 
@@ -266,10 +266,10 @@ EXECUTORS = ("inline", "thread1", "thread2", "process2")
 
 def _markdown(results: list[dict[str, Any]], smoke: bool, load: str) -> str:
     lines = [
-        "# Tokenization (router/tokenize)" + (" — smoke run" if smoke else ""),
+        "# Tokenization (kvroute/router/tokenize)" + (" — smoke run" if smoke else ""),
         "",
-        f"Model: sim/model (byte-level BPE, ChatML template). Machine: {os.cpu_count()} cores, "
-        f"Python {platform.python_version()}. Medians.",
+        "Model: kvroute/sim/model (byte-level BPE, ChatML template).",
+        f"Machine: {os.cpu_count()} cores, Python {platform.python_version()}. Medians.",
         "",
         "| tokens | render ms | encode ms | cold ms | next turn (cached) ms "
         "| encoded on next turn | end to end cold / next turn ms |",

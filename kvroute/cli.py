@@ -11,11 +11,14 @@ import sys
 
 # name -> (module, one-line description)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "bridge": ("bridge.cli", "follow a vLLM engine's KV events and serve them over gRPC"),
-    "serve": ("router.cli", "run the cache-aware OpenAI router"),
-    "inspect": ("router.inspect_cli", "show each worker's predicted reuse for a prompt"),
-    "sim": ("sim.cli", "run a simulated vLLM engine, or a fleet of them (`sim fleet`)"),
-    "demo": ("sim.demo", "run the built-in demo: cache-aware routing against round robin"),
+    "bridge": ("kvroute.bridge.cli", "follow a vLLM engine's KV events and serve them over gRPC"),
+    "serve": ("kvroute.router.cli", "run the cache-aware OpenAI router"),
+    "inspect": (
+        "kvroute.router.ops.inspect_cli",
+        "show each worker's predicted reuse for a prompt",
+    ),
+    "sim": ("kvroute.sim.cli", "run a simulated vLLM engine, or a fleet of them (`sim fleet`)"),
+    "demo": ("kvroute.demo.cli", "run the built-in demo: cache-aware routing against round robin"),
 }
 
 

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from bench.stats import paired_bootstrap
+from kvroute.testbed.stats import paired_bootstrap
 
 
 def _sessions(n: int, seed: int, shift: float, noise: float, spread: float) -> list:

@@ -8,13 +8,13 @@ from dataclasses import replace
 
 import pytest
 
-from bench.loadgen import LoadConfig, run_trace
-from bench.stats import RequestRecord, summarize
-from bench.textgen import TokenSpace
-from bench.trace import TraceRequest
-from bench.workload import PRESETS, generate
-from sim.engine.core import EngineConfig
-from sim.server import SimEngineThread
+from kvroute.sim.engine.core import EngineConfig
+from kvroute.sim.server import SimEngineThread
+from kvroute.testbed.loadgen import LoadConfig, run_trace
+from kvroute.testbed.stats import RequestRecord, summarize
+from kvroute.testbed.textgen import TokenSpace
+from kvroute.testbed.trace import TraceRequest
+from kvroute.testbed.workload import PRESETS, generate
 
 MODEL = "kvroute-sim"
 

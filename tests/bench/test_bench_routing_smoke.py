@@ -15,7 +15,7 @@ import time
 import uuid
 from pathlib import Path
 
-from bench.routers import kvroute_available
+from kvroute.testbed.routers import kvroute_available
 
 
 def _tagged_pids(tag: str) -> list[int]:

@@ -13,8 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from bench.fleet import EngineCounters, delta, parse_counters
-from bench.procs import (
+from bench.report import routing_markdown, routing_plot
+from bench.run_all import write_summary
+from kvroute.router.config import RouterConfig
+from kvroute.testbed.procs import (
     ProcessGroup,
     free_port,
     group_alive,
@@ -23,10 +25,8 @@ from bench.procs import (
     split_cpus,
     wait_http,
 )
-from bench.report import routing_markdown, routing_plot
-from bench.run_all import write_summary
-from bench.stats import RequestRecord, percentile, summarize
-from router.config import RouterConfig
+from kvroute.testbed.sim_fleet import EngineCounters, delta, parse_counters
+from kvroute.testbed.stats import RequestRecord, percentile, summarize
 
 # A child that starts two grandchildren and ignores SIGTERM: the worst case for cleanup.
 _STUBBORN = """
@@ -271,8 +271,8 @@ def test_pin_process_moves_every_thread_of_a_running_process() -> None:
 
 
 def test_bridges_run_only_for_the_router_that_reads_them() -> None:
-    from bench.routers import ROUTERS
     from bench.routing_bench import BenchConfig, _fleet_args
+    from kvroute.testbed.routers import ROUTERS
 
     base = dict(
         profiles=["dense"], routers=["kvroute"], workers=2, smoke=True, trace_name="t",
@@ -316,9 +316,9 @@ def _variant_configs(tmp_path: Path, *names: str) -> dict[str, RouterConfig]:
     writes, plus the router's environment."""
     import yaml
 
-    from bench.routers import ROUTERS
-    from router.config_load import load_config
-    from sim.fleet import router_config
+    from kvroute.router.config_load import load_config
+    from kvroute.sim.fleet_cli import router_config
+    from kvroute.testbed.routers import ROUTERS
 
     config = router_config([], "kvroute-sim", 16, via_bridge=False)
     config["workers"] = [{"name": "a", "url": "http://127.0.0.1:1", "model": "kvroute-sim"}]

@@ -11,8 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bench.textgen import TokenSpace
-from bench.trace import (
+from kvroute.sim.tokenizer import SimTokenizer
+from kvroute.testbed.textgen import TokenSpace
+from kvroute.testbed.trace import (
     MOONCAKE_BLOCK_TOKENS,
     TraceError,
     TraceHeader,
@@ -23,8 +24,7 @@ from bench.trace import (
     read_mooncake,
     write_jsonl,
 )
-from bench.workload import PRESETS, WorkloadSpec, generate
-from sim.tokenizer import SimTokenizer
+from kvroute.testbed.workload import PRESETS, WorkloadSpec, generate
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
 """Test-side helpers: a fake vLLM engine (real ZMQ PUB + ROUTER on loopback, encoded with
-bridge.vllm_schema), a subscriber that records what a bridge sends, and a view model."""
+kvroute.bridge.vllm_schema), a subscriber that records what a bridge sends, and a view model."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from bridge import vllm_schema as s
-from bridge.client import ResumePoint, subscribe
-from bridge.follower import EngineEndpoints
-from proto.events_pb2 import KvGroupEvent, SubscribeResponse
+from kvroute.bridge import vllm_schema as s
+from kvroute.bridge.client import ResumePoint, subscribe
+from kvroute.bridge.follower import EngineEndpoints
+from kvroute.proto.events_pb2 import KvGroupEvent, SubscribeResponse
 
 STORE, REMOVE, CLEAR, INVALID = (
     KvGroupEvent.STORE,
@@ -154,7 +154,7 @@ class View:
 
 
 class Recorder:
-    """Subscribes through bridge.client and records every message, keeping a View."""
+    """Subscribes through kvroute.bridge.client and records every message, keeping a View."""
 
     def __init__(self, target: str, dp_rank: int = 0, position: ResumePoint | None = None) -> None:
         self.messages: list[SubscribeResponse] = []

@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bridge import vllm_schema as s
-from bridge.convert import ConvertStats, convert_batch, normalise_hash
-from proto.events_pb2 import KvEventBatch, KvGroupEvent
+from kvroute.bridge import vllm_schema as s
+from kvroute.bridge.convert import ConvertStats, convert_batch, normalise_hash
+from kvroute.proto.events_pb2 import KvEventBatch, KvGroupEvent
 
 STORE, REMOVE, CLEAR, INVALID = (
     KvGroupEvent.STORE,

@@ -18,13 +18,13 @@ import zmq.asyncio
 from aiohttp import web
 from bridge_testkit import FakeEngine, Recorder, be, eventually, store
 
-from bridge.app import Bridge, BridgeConfig
-from bridge.cli import DEFAULT_NICE
-from bridge.discovery import offset_port, parse_sources, ranked_endpoints, substitute_host
-from bridge.metrics import BridgeMetrics
-from bridge.state import EngineState
-from bridge.stream import RankStream, StreamLimits
-from proto.events_pb2 import KvEventBatch, SubscribeRequest, SubscribeResponse
+from kvroute.bridge.app import Bridge, BridgeConfig
+from kvroute.bridge.cli import DEFAULT_NICE
+from kvroute.bridge.discovery import offset_port, parse_sources, ranked_endpoints, substitute_host
+from kvroute.bridge.metrics import BridgeMetrics
+from kvroute.bridge.state import EngineState
+from kvroute.bridge.stream import RankStream, StreamLimits
+from kvroute.proto.events_pb2 import KvEventBatch, SubscribeRequest, SubscribeResponse
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -210,7 +210,7 @@ def test_cli_sched_idle_puts_every_thread_in_the_idle_class() -> None:
 
 
 def test_cli_rejects_bad_arguments() -> None:
-    from bridge.cli import main
+    from kvroute.bridge.cli import main
 
     assert main(["--engine", "tcp://127.0.0.1:1", "--dp-ranks", "0"]) == 2
     assert main(["--engine", "tcp://127.0.0.1:1", "--nice", "20"]) == 2

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bridge import packed_tokens as pt
+from kvroute.bridge import packed_tokens as pt
 
 _ids = st.lists(st.integers(0, 2**32 - 1), max_size=40)
 

@@ -13,12 +13,12 @@ import zmq
 import zmq.asyncio
 from bridge_testkit import CLEAR, STORE, FakeEngine, Recorder, View, be, eventually, store
 
-from bridge import follower as follower_module
-from bridge import vllm_schema as s
-from bridge.app import Bridge, BridgeConfig
-from bridge.client import ResumePoint
-from bridge.follower import EngineEndpoints
-from bridge.stream import StreamLimits
+from kvroute.bridge import follower as follower_module
+from kvroute.bridge import vllm_schema as s
+from kvroute.bridge.app import Bridge, BridgeConfig
+from kvroute.bridge.client import ResumePoint
+from kvroute.bridge.follower import EngineEndpoints
+from kvroute.bridge.stream import StreamLimits
 
 TOKENS = list(range(1000, 1064))
 
@@ -400,7 +400,7 @@ def test_slow_subscriber_is_resynchronised_without_blocking_others() -> None:
     async def main(rig: Rig) -> None:
         import grpc.aio
 
-        from proto.events_pb2 import SubscribeRequest, SubscribeResponse
+        from kvroute.proto.events_pb2 import SubscribeRequest, SubscribeResponse
 
         engine = rig.engine(replay=False)
         bridge = await rig.bridge(engine.endpoints(), limits=StreamLimits(queue_size=16))

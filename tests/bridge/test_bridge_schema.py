@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from bridge import vllm_schema as s
+from kvroute.bridge import vllm_schema as s
 
 TOKENS = list(range(100, 132))
 

@@ -9,8 +9,8 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bridge.state import EngineState
-from proto.events_pb2 import KvEventBatch, KvGroupEvent, Snapshot
+from kvroute.bridge.state import EngineState
+from kvroute.proto.events_pb2 import KvEventBatch, KvGroupEvent, Snapshot
 
 STORE, REMOVE, CLEAR, INVALID = (
     KvGroupEvent.STORE,
@@ -427,7 +427,7 @@ def test_snapshot_answers_like_the_live_stream_without_full_attention(
     ops: list[tuple[Any, ...]], mamba: bool, max_lineage: int | None
 ) -> None:
     """Exact with the default lineage bound; with a tiny one, never higher than live."""
-    from indexer import GroupCache
+    from kvroute.indexer import GroupCache
 
     shared = list(range(900, 900 + 3 * BS))
     prompts = [shared[: (p % 3) * BS] + [p * 100 + i for i in range(40)] for p in range(5)]
@@ -478,8 +478,8 @@ def test_snapshot_answers_like_the_live_stream_without_full_attention(
 
 
 def test_lineage_metrics_follow_the_state() -> None:
-    from bridge.metrics import BridgeMetrics
-    from bridge.stream import RankStream
+    from kvroute.bridge.metrics import BridgeMetrics
+    from kvroute.bridge.stream import RankStream
 
     metrics = BridgeMetrics()
     stream = RankStream(0, "b", EngineState(max_lineage_blocks=4), metrics)

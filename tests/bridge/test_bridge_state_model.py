@@ -21,12 +21,12 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bridge.copy_table import CopyTable, Key, hash_of, hashes_of, key_of, keys_of
-from bridge.state import EngineState
-from indexer.keys import Namespace, content_keys
-from indexer.lineage import Lineage
-from indexer.presence import DictSink
-from proto.events_pb2 import KvEventBatch, KvGroupEvent, Snapshot
+from kvroute.bridge.copy_table import CopyTable, Key, hash_of, hashes_of, key_of, keys_of
+from kvroute.bridge.state import EngineState
+from kvroute.indexer.keys import Namespace, content_keys
+from kvroute.indexer.lineage import Lineage
+from kvroute.indexer.presence import DictSink
+from kvroute.proto.events_pb2 import KvEventBatch, KvGroupEvent, Snapshot
 
 STORE, REMOVE, CLEAR, INVALID = (
     KvGroupEvent.STORE,
@@ -126,7 +126,7 @@ def test_copy_table_grows_and_keeps_every_key() -> None:
 
 @dataclass(eq=False)
 class _Rec:
-    """A record (bridge.state): one STORE, or a dense chain of STOREs appended to it."""
+    """A record (kvroute.bridge.state): one STORE, or a dense chain of STOREs appended to it."""
 
     meta: tuple[Any, ...]  # (group, block size, kind, window, lora, unmatchable)
     hashes: list[bytes]
@@ -256,7 +256,7 @@ class Model:
         return out
 
     def key(self, x: bytes) -> int | None:
-        """x's content key (indexer.keys), or None if its links do not reach token 0."""
+        """x's content key (kvroute.indexer.keys), or None if its links do not reach token 0."""
         *chain, root = self.chain(x)
         if root:
             return None

@@ -14,7 +14,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from proto.events_pb2 import KvEventBatch, KvGroupEvent
+from kvroute.proto.events_pb2 import KvEventBatch, KvGroupEvent
 
 UNIT = 16  # positions are tracked at this granularity; it divides every block size used here
 

@@ -22,11 +22,11 @@ from typing import Any
 import pytest
 from vllm_recording import DRIVER, REPO, at_each_probe, converted, probe_namespace, vllm_python
 
-from bridge.app import Bridge, BridgeConfig
-from bridge.client import subscribe
-from bridge.follower import EngineEndpoints
-from indexer import GroupCache
-from proto.events_pb2 import SubscribeResponse
+from kvroute.bridge.app import Bridge, BridgeConfig
+from kvroute.bridge.client import subscribe
+from kvroute.bridge.follower import EngineEndpoints
+from kvroute.indexer import GroupCache
+from kvroute.proto.events_pb2 import SubscribeResponse
 
 pytestmark = pytest.mark.vllm
 

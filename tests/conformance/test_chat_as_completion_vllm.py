@@ -13,7 +13,7 @@ from typing import Any
 
 from vllm_recording import vllm_python
 
-from router.chat_as_completion import ChatStream, chat_response, completion_body
+from kvroute.router.edge.chat_as_completion import ChatStream, chat_response, completion_body
 
 _SCRIPT = r"""
 import json, sys

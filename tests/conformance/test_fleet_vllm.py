@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from vllm_recording import FLEETS, converted
 
-from indexer import FleetIndex, Namespace
+from kvroute.indexer import FleetIndex, Namespace
 
 pytestmark = pytest.mark.vllm
 

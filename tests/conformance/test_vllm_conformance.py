@@ -16,10 +16,10 @@ import pytest
 from event_oracle import EventOracle
 from vllm_recording import SCENARIOS, at_each_probe, converted, probe_namespace
 
-from bridge.convert import ConvertStats
-from bridge.state import EngineState
-from indexer import GroupCache, Namespace, WorkerScore
-from proto.events_pb2 import KvGroupEvent
+from kvroute.bridge.convert import ConvertStats
+from kvroute.bridge.state import EngineState
+from kvroute.indexer import GroupCache, Namespace, WorkerScore
+from kvroute.proto.events_pb2 import KvGroupEvent
 
 pytestmark = pytest.mark.vllm
 

@@ -1,6 +1,7 @@
 """The recording of vLLM 0.33 itself: its wire format, its replay socket, its native hits.
 
-These check the harness (tests/conformance/vllm_driver.py and sim/vllm_backend.py) against the
+These check the harness (tests/conformance/vllm_driver.py and kvroute/sim/vllm_backend.py) against
+the
 reference (reference/vllm-kv-events.md §1-§2 and §7.6), so that the comparisons built on the
 recording compare against vLLM as it really behaves.
 """

@@ -6,7 +6,8 @@ Run with the vLLM environment's python (.venv-vllm/bin/python), never imported b
     .venv-vllm/bin/python tests/conformance/vllm_driver.py --serve DIR --only NAME ...
 
 For each scenario (vllm_scenarios.py: a cache layout plus a request workload) it builds a real
-vLLM `KVCacheManager` through `sim.vllm_backend`, drives seeded requests like vLLM's scheduler
+vLLM `KVCacheManager` through `kvroute.sim.vllm_backend`, drives seeded requests like vLLM's
+scheduler
 (vllm_workloads.py), publishes every step's batch through vLLM's real `ZmqEventPublisher`,
 captures the raw 3-frame messages with a real SUB socket and one replay through a DEALER
 (vllm_wire.py), and at many points asks vLLM for the native hit of probe prompts. Fleets do the
@@ -50,7 +51,7 @@ from vllm_scenarios import Fleet, Scenario, fleets, scenarios  # noqa: E402
 from vllm_wire import ServedPublisher, WireCapture  # noqa: E402
 from vllm_workloads import FleetLoop, FleetRecorder, Recorder, run_workload  # noqa: E402
 
-from sim.vllm_backend import SchedulerLoop, VllmCacheBackend, describe  # noqa: E402
+from kvroute.sim.vllm_backend import SchedulerLoop, VllmCacheBackend, describe  # noqa: E402
 
 
 @contextlib.contextmanager

@@ -22,16 +22,16 @@ from typing import Any, TypeVar
 import msgspec
 import pytest
 
-from bridge.convert import ConvertStats, convert_batch
-from bridge.vllm_schema import BatchDecoder
-from indexer import Namespace
-from proto.events_pb2 import KvEventBatch
+from kvroute.bridge.convert import ConvertStats, convert_batch
+from kvroute.bridge.vllm_schema import BatchDecoder
+from kvroute.indexer import Namespace
+from kvroute.proto.events_pb2 import KvEventBatch
 
 T = TypeVar("T")
 
 REPO = Path(__file__).resolve().parents[2]
 DRIVER = REPO / "tests" / "conformance" / "vllm_driver.py"
-BACKEND = REPO / "sim" / "vllm_backend.py"
+BACKEND = REPO / "kvroute" / "sim" / "vllm_backend.py"
 # Everything the recording depends on besides vLLM itself (its cache key).
 DRIVER_SOURCES = (
     DRIVER,

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from vllm_workloads import Recorder, Workload
 
-from sim.vllm_backend import BackendConfig, GroupConfig, Namespace
+from kvroute.sim.vllm_backend import BackendConfig, GroupConfig, Namespace
 
 FA, SW, MB, CB = "full_attention", "sliding_window", "mamba", "circular_buffer"
 

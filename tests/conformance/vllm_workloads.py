@@ -12,7 +12,7 @@ from typing import Any
 
 from vllm_wire import ServedPublisher, WireCapture
 
-from sim.vllm_backend import Namespace, SchedulerLoop
+from kvroute.sim.vllm_backend import Namespace, SchedulerLoop
 
 
 @dataclass

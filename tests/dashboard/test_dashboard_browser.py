@@ -18,8 +18,8 @@ from typing import Any
 import httpx
 import pytest
 
-from sim.demo_run import LiveRun, start_live
-from sim.demo_workload import SHORT
+from kvroute.demo.run import LiveRun, start_live
+from kvroute.demo.workload import SHORT
 
 CHROMIUM = Path(os.environ.get("KVROUTE_CHROMIUM", "/usr/bin/chromium"))
 FLAGS = [

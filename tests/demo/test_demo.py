@@ -20,9 +20,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bench.stats import RequestRecord
-from sim.demo import Progress, build_parser, parse_policies, run_demo
-from sim.demo_run import prediction_from_metrics
+from kvroute.demo.cli import Progress, build_parser, parse_policies, run_demo
+from kvroute.demo.run import prediction_from_metrics
+from kvroute.testbed.stats import RequestRecord
 
 
 @pytest.mark.timeout(240)

@@ -25,7 +25,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from router.discovery import PodDefaults, parse_discovery_config, worker_from_pod
+from kvroute.router.fleet.discovery import PodDefaults, parse_discovery_config, worker_from_pod
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "deploy" / "helm" / "kvroute"

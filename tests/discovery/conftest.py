@@ -1,5 +1,5 @@
 """Make the repository root importable when `router` is not installed as a package yet
-(router/__init__.py comes with the router branch; until then router/ is a namespace
+(kvroute/router/__init__.py comes with the router branch; until then router/ is a namespace
 package that the editable install does not map)."""
 
 import importlib.util

@@ -18,7 +18,7 @@ import pytest
 from kube_api_standin import KubeApiStandIn, make_pod
 from kubernetes.aio import client as kclient
 
-from router.discovery import (
+from kvroute.router.fleet.discovery import (
     DiscoveryConfig,
     KubernetesConfig,
     KubernetesSource,
@@ -26,7 +26,7 @@ from router.discovery import (
     WorkerSpec,
     start_discovery,
 )
-from router.discovery.kube_client import KubePodClient
+from kvroute.router.fleet.discovery.kube_client import KubePodClient
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 
@@ -304,7 +304,7 @@ async def test_start_discovery_runs_the_kubernetes_source_and_stops() -> None:
 
 
 def test_pod_defaults_are_used_when_the_pod_says_nothing() -> None:
-    from router.discovery import worker_from_pod
+    from kvroute.router.fleet.discovery import worker_from_pod
 
     spec = worker_from_pod(make_pod("x", "10.1.1.1"), PodDefaults(engine_port=9, bridge_port=None))
     assert spec is not None and spec.url == "http://10.1.1.1:9" and spec.bridge is None

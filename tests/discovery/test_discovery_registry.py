@@ -1,4 +1,5 @@
-"""Discovery feeding the router's real worker registry (router.workers.WorkerRegistry).
+"""Discovery feeding the router's real worker registry
+(kvroute.router.fleet.workers.WorkerRegistry).
 
 The registry belongs to the router branch; until that branch is merged next to this one,
 there is nothing to integrate with and this module is skipped (it runs after the merge).
@@ -14,14 +15,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-workers = pytest.importorskip("router.workers", reason="router branch not merged yet")
-config = pytest.importorskip("router.config")
+workers = pytest.importorskip("kvroute.router.fleet.workers", reason="router branch not merged yet")
+config = pytest.importorskip("kvroute.router.config")
 
 from kube_api_standin import KubeApiStandIn, make_pod  # noqa: E402
 from kubernetes.aio import client as kclient  # noqa: E402
 
-from router.discovery import FileSource, KubernetesSource  # noqa: E402
-from router.discovery.kube_client import KubePodClient  # noqa: E402
+from kvroute.router.fleet.discovery import FileSource, KubernetesSource  # noqa: E402
+from kvroute.router.fleet.discovery.kube_client import KubePodClient  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(60)]
 

@@ -13,7 +13,7 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.discovery import (
+from kvroute.router.fleet.discovery import (
     DiscoveryConfigError,
     FileSource,
     PodDefaults,
@@ -26,8 +26,8 @@ from router.discovery import (
     start_discovery,
     worker_from_pod,
 )
-from router.discovery.file_watch import MAX_FILE_BYTES
-from router.discovery.sink import DiscoveryStats, SourceView
+from kvroute.router.fleet.discovery.file_watch import MAX_FILE_BYTES
+from kvroute.router.fleet.discovery.sink import DiscoveryStats, SourceView
 
 
 class Registry:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 
-from proto import events_pb2 as pb
+from kvroute.proto import events_pb2 as pb
 
 STORE = pb.KvGroupEvent.STORE
 REMOVE = pb.KvGroupEvent.REMOVE

@@ -37,7 +37,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from proto import events_pb2 as pb
+from kvroute.proto import events_pb2 as pb
 
 FULL_KINDS = {"full_attention", "mla_attention", "sink_full_attention"}
 WINDOW_KINDS = {"sliding_window", "sliding_window_mla"}

@@ -9,7 +9,7 @@ import math
 import random
 from dataclasses import dataclass, field
 
-from proto import events_pb2 as pb
+from kvroute.proto import events_pb2 as pb
 from tests.indexer.events import (
     FULL,
     MAMBA,

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from indexer import FleetIndex, GroupCache
-from proto import events_pb2 as pb
+from kvroute.indexer import FleetIndex, GroupCache
+from kvroute.proto import events_pb2 as pb
 from tests.indexer.events import (
     FULL,
     MAMBA,

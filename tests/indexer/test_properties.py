@@ -9,9 +9,9 @@ import random
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from indexer import FleetIndex, GroupCache, Namespace, WorkerScore, content_keys
-from indexer.layout import Rule, rule_of
-from proto import events_pb2 as pb
+from kvroute.indexer import FleetIndex, GroupCache, Namespace, WorkerScore, content_keys
+from kvroute.indexer.layout import Rule, rule_of
+from kvroute.proto import events_pb2 as pb
 from tests.indexer.reference import RefWorker
 from tests.indexer.streams import LAYOUTS, make_stream
 

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from indexer import FleetIndex, GroupCache, Namespace, content_keys
+from kvroute.indexer import FleetIndex, GroupCache, Namespace, content_keys
 from tests.indexer.events import (
     FULL,
     MAMBA,

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from indexer import FleetIndex, Namespace
-from proto import events_pb2 as pb
+from kvroute.indexer import FleetIndex, Namespace
+from kvroute.proto import events_pb2 as pb
 from tests.indexer.events import batch, snapshot, store
 from tests.indexer.streams import Request, WorkerStream, make_stream
 

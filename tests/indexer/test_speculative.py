@@ -7,7 +7,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from indexer import FleetIndex, Namespace, content_keys
+from kvroute.indexer import FleetIndex, Namespace, content_keys
 from tests.indexer.events import FULL, MAMBA, SWA, batch, engine_hashes, store
 
 RNG = random.Random(11)

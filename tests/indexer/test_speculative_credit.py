@@ -7,8 +7,8 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from indexer.keys import content_keys
-from indexer.speculative import Expectations
+from kvroute.indexer.keys import content_keys
+from kvroute.indexer.speculative import Expectations
 
 UNIT = 16
 

@@ -30,8 +30,8 @@ from bench.traffic import (
     stream,
     workers,
 )
-from bridge.server import SERVICE
-from proto import events_pb2
+from kvroute.bridge.server import SERVICE
+from kvroute.proto import events_pb2
 from tests.reliability.conftest import Fleet, cache_on, exact, heal, never_over
 from tests.reliability.workload import documents, shared_prefix_prompts
 

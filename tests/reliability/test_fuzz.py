@@ -26,12 +26,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bench.loopback import ADMIN_TOKEN, MODEL
-from indexer import FleetIndex, Namespace
-from proto import events_pb2
-from router.app import create_app
-from router.config_load import ConfigError, config_from_dict, load_config, worker_from_dict
-from router.events import StreamStatus
-from sim.model import MODEL_DIR
+from kvroute.indexer import FleetIndex, Namespace
+from kvroute.proto import events_pb2
+from kvroute.router.app import create_app
+from kvroute.router.config_load import ConfigError, config_from_dict, load_config, worker_from_dict
+from kvroute.router.fleet.event_subscriptions import StreamStatus
+from kvroute.sim.model import MODEL_DIR
 
 json_values = st.recursive(
     st.none()
@@ -234,10 +234,10 @@ def test_bytes_from_a_bridge_into_the_router_event_path(raw: bytes) -> None:
     """What `GrpcTransport` decodes and `EventSubscriptions` applies: undecodable bytes are a
     DecodeError (the transport turns it into a dropped stream), anything decodable is applied
     without an exception."""
-    from router.config import EventsConfig
-    from router.events import EventSubscriptions
-    from router.fleet_index import FleetIndexView
-    from router.metrics import RouterMetrics
+    from kvroute.router.config import EventsConfig
+    from kvroute.router.fleet.event_subscriptions import EventSubscriptions
+    from kvroute.router.ops.metrics import RouterMetrics
+    from kvroute.router.routing.fleet_index_view import FleetIndexView
 
     try:
         message = events_pb2.SubscribeResponse.FromString(raw)

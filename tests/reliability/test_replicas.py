@@ -24,10 +24,10 @@ from bench.traffic import (
     stream,
     workers,
 )
-from router.config import BreakerConfig, PolicyConfig, WorkerSpec
-from router.load import LoadTicket
-from router.policy import CACHE, SESSION, LoadModel, RouteInput, make_policy
-from router.workers import WorkerRegistry
+from kvroute.router.config import BreakerConfig, PolicyConfig, WorkerSpec
+from kvroute.router.fleet.load import LoadTicket
+from kvroute.router.fleet.workers import WorkerRegistry
+from kvroute.router.routing.policy import CACHE, SESSION, LoadModel, RouteInput, make_policy
 from tests.reliability.workload import documents, shared_prefix_prompts
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from proto import events_pb2
-from router.index_view import IndexStats, ReuseExplanation
+from kvroute.proto import events_pb2
+from kvroute.router.routing.index_view import IndexStats, ReuseExplanation
 
 
 @dataclass

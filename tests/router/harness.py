@@ -10,10 +10,10 @@ from typing import Any
 
 import httpx
 
-from router.app import Components, create_app
-from router.config import RouterConfig
-from router.config_load import config_from_dict
-from router.index_view import IndexView
+from kvroute.router.app import Components, create_app
+from kvroute.router.config import RouterConfig
+from kvroute.router.config_load import config_from_dict
+from kvroute.router.routing.index_view import IndexView
 from tests.router.fake_engine import EngineScript, make_engine, serve
 from tests.router.fakes import ScriptedIndex
 

@@ -12,14 +12,14 @@ from typing import Any
 
 import httpx
 
-from bridge.app import Bridge, BridgeConfig
-from bridge.follower import EngineEndpoints
-from router.app import Components, create_app
-from router.config_load import config_from_dict
-from sim.engine.core import EngineConfig
-from sim.model import MODEL_DIR
-from sim.publisher import PublisherConfig
-from sim.server import RunningEngine, start_engine
+from kvroute.bridge.app import Bridge, BridgeConfig
+from kvroute.bridge.follower import EngineEndpoints
+from kvroute.router.app import Components, create_app
+from kvroute.router.config_load import config_from_dict
+from kvroute.sim.engine.core import EngineConfig
+from kvroute.sim.model import MODEL_DIR
+from kvroute.sim.publisher import PublisherConfig
+from kvroute.sim.server import RunningEngine, start_engine
 from tests.router.fake_engine import serve
 from tests.router.harness import ADMIN
 from tests.router.test_events import until

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from router import inspect_cli
+from kvroute.router.ops import inspect_cli
 from tests.router.harness import ADMIN, rig
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello there"}]}

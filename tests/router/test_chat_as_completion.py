@@ -13,8 +13,8 @@ import httpx
 import msgspec
 import pytest
 
-from router.chat_as_completion import ChatStream, chat_response, completion_body
-from sim.model import MODEL_DIR
+from kvroute.router.edge.chat_as_completion import ChatStream, chat_response, completion_body
+from kvroute.sim.model import MODEL_DIR
 from tests.router.sim_fleet import MODEL, SimRig, sim_fleet
 from tests.sim.test_sim_api import CHAT_MESSAGE
 

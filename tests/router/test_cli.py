@@ -57,7 +57,7 @@ def test_serve_with_two_processes(tmp_path: Path) -> None:
     import urllib.request
 
     from bench.instant_engine import running_engine
-    from bench.procs import free_port
+    from kvroute.testbed.procs import free_port
 
     with running_engine() as engine:
         port = free_port()

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from router.cli import flag_overrides, parse_args
-from router.config import RouterConfig
-from router.config_load import (
+from kvroute.router.cli import flag_overrides, parse_args
+from kvroute.router.config import RouterConfig
+from kvroute.router.config_load import (
     ConfigError,
     config_from_dict,
     describe_defaults,
@@ -166,7 +166,7 @@ def test_discovery_section_is_validated() -> None:
 
 
 def test_retired_key_is_ignored_with_one_warning(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="router.config_load"):
+    with caplog.at_level(logging.WARNING, logger="kvroute.router.config_load"):
         cfg = config_from_dict({**FLEET, "policy": {"name": "ttft", "affinity_max_workers": 64}})
     assert cfg.policy.name == "ttft"
     warnings = [r for r in caplog.records if "affinity_max_workers" in r.getMessage()]
@@ -186,7 +186,7 @@ def test_former_seconds_keys_become_tokens_at_the_configured_rate(
         "decode_s_per_running_home": 0.002,
         "session_slack_s": 0.05,
     }
-    with caplog.at_level(logging.WARNING, logger="router.config_load"):
+    with caplog.at_level(logging.WARNING, logger="kvroute.router.config_load"):
         cfg = config_from_dict({**FLEET, "policy": {"prefill_tokens_per_s": 10_000, **old}})
     p = cfg.policy
     assert (p.tokens_per_running, p.tokens_per_running_home, p.session_slack_tokens) == (

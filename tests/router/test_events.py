@@ -7,15 +7,15 @@ import asyncio
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
-from bridge.metrics import BridgeMetrics
-from bridge.server import kv_events_handler, start_grpc_server
-from bridge.state import EngineState
-from bridge.stream import RankStream
-from proto import events_pb2
-from router.config import BreakerConfig, EventsConfig, WorkerSpec
-from router.events import LIVE, LOST, EventSubscriptions
-from router.metrics import RouterMetrics
-from router.workers import WorkerRegistry
+from kvroute.bridge.metrics import BridgeMetrics
+from kvroute.bridge.server import kv_events_handler, start_grpc_server
+from kvroute.bridge.state import EngineState
+from kvroute.bridge.stream import RankStream
+from kvroute.proto import events_pb2
+from kvroute.router.config import BreakerConfig, EventsConfig, WorkerSpec
+from kvroute.router.fleet.event_subscriptions import LIVE, LOST, EventSubscriptions
+from kvroute.router.fleet.workers import WorkerRegistry
+from kvroute.router.ops.metrics import RouterMetrics
 from tests.router.fakes import ScriptedIndex
 
 OP = events_pb2.KvGroupEvent
@@ -215,7 +215,7 @@ def test_a_message_the_index_rejects_resynchronises() -> None:
 
 def test_a_large_snapshot_is_applied_in_steps_between_other_work() -> None:
     """The loop serves other tasks in the middle of a big snapshot (real index)."""
-    from router.fleet_index import FleetIndexView
+    from kvroute.router.routing.fleet_index_view import FleetIndexView
 
     class Counting(FleetIndexView):
         steps = 0

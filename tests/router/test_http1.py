@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import uvloop
 
-from router.http1 import _HIGH_WATER, Http1Pool, UpstreamConnectError, UpstreamTimeout
+from kvroute.router.edge.http1 import _HIGH_WATER, Http1Pool, UpstreamConnectError, UpstreamTimeout
 
 LOOPS = {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
 

@@ -9,8 +9,8 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
-from proto import events_pb2
-from router.fleet_index import FleetIndexView
+from kvroute.proto import events_pb2
+from kvroute.router.routing.fleet_index_view import FleetIndexView
 from tests.router.harness import Rig, rig
 from tests.router.test_events import FakeBridge, until
 
@@ -57,7 +57,7 @@ async def fleet(
             if models is not None:
                 for s in r.engines.values():
                     s.models = models
-                from router.health import ModelsProbe
+                from kvroute.router.fleet.health import ModelsProbe
 
                 for w in r.parts.registry:
                     await ModelsProbe(r.parts.registry, r.parts.upstream)(w)
@@ -181,7 +181,7 @@ def test_a_sharing_bookkeeping_failure_routes_the_request_and_is_counted(
 ) -> None:
     """Like an index failure: the request is routed without the junction rule's history,
     the error is logged once and counted, never answered as a 500."""
-    from router.prefix_sharing import PrefixSharing
+    from kvroute.router.routing.prefix_sharing import PrefixSharing
 
     def broken(*a: Any, **k: Any) -> Any:
         raise RuntimeError("sharing bug")

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-from router.lite_metrics import LiteCounter, LiteHistogram
+from kvroute.router.ops.lite_metrics import LiteCounter, LiteHistogram
 
 BUCKETS = (0.001, 0.01, 0.1, 1, 10)
 

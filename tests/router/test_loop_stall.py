@@ -12,10 +12,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from router.config import LimitsConfig, TimeoutsConfig
-from router.http1 import Http1Pool, UpstreamTimeout
-from router.loop_stall import MAX_STRETCH, LoopStalls, wait_own_time
-from router.upstream import Upstream
+from kvroute.router.config import LimitsConfig, TimeoutsConfig
+from kvroute.router.edge.http1 import Http1Pool, UpstreamTimeout
+from kvroute.router.edge.upstream import Upstream
+from kvroute.router.fleet.loop_stall import MAX_STRETCH, LoopStalls, wait_own_time
 from tests.router.fake_engine import serve
 
 

@@ -10,11 +10,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from router.config import BreakerConfig, LimitsConfig, TimeoutsConfig, WorkerSpec
-from router.health import MetricsProbe
-from router.load import ScrapeBackoff
-from router.upstream import Upstream
-from router.workers import Worker, WorkerRegistry
+from kvroute.router.config import BreakerConfig, LimitsConfig, TimeoutsConfig, WorkerSpec
+from kvroute.router.edge.upstream import Upstream
+from kvroute.router.fleet.health import MetricsProbe
+from kvroute.router.fleet.load import ScrapeBackoff
+from kvroute.router.fleet.workers import Worker, WorkerRegistry
 from tests.router.fake_engine import serve
 
 LABELS = 'engine="0",model_name="m"'

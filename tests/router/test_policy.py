@@ -8,10 +8,11 @@ import collections
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.config import BreakerConfig, PolicyConfig, WorkerSpec
-from router.index_view import GroupReuse, ReuseExplanation
-from router.load import EngineMetrics, LoadTicket
-from router.policy import (
+from kvroute.router.config import BreakerConfig, PolicyConfig, WorkerSpec
+from kvroute.router.fleet.load import EngineMetrics, LoadTicket
+from kvroute.router.fleet.workers import Worker, WorkerRegistry
+from kvroute.router.routing.index_view import GroupReuse, ReuseExplanation
+from kvroute.router.routing.policy import (
     CACHE,
     LEAST_LOAD,
     ROUND_ROBIN,
@@ -24,7 +25,6 @@ from router.policy import (
     make_policy,
     session_key,
 )
-from router.workers import Worker, WorkerRegistry
 
 
 def fleet(n: int) -> list[Worker]:

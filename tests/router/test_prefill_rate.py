@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from router.config import PolicyConfig
-from router.load import PrefillRateEstimate
-from router.policy import LoadModel
+from kvroute.router.config import PolicyConfig
+from kvroute.router.fleet.load import PrefillRateEstimate
+from kvroute.router.routing.policy import LoadModel
 
 
 def test_learns_the_rate_despite_a_constant_overhead_and_noise() -> None:

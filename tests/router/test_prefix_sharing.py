@@ -1,4 +1,5 @@
-"""Which prefixes other sessions asked for (`router.prefix_sharing`), against a plain model."""
+"""Which prefixes other sessions asked for (`kvroute.router.routing.prefix_sharing`), against a
+plain model."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.prefix_sharing import PrefixSharing
+from kvroute.router.routing.prefix_sharing import PrefixSharing
 
 UNIT = 16
 

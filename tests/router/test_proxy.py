@@ -134,7 +134,7 @@ def test_completions_models_tokenize_health() -> None:
 
 
 async def _refresh_models(r: Rig, name: str) -> None:
-    from router.health import ModelsProbe
+    from kvroute.router.fleet.health import ModelsProbe
 
     worker = r.parts.registry.get(name)
     assert worker is not None

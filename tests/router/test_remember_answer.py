@@ -16,8 +16,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from tokenizers import Tokenizer
 
-from router.chat_answer import MAX_ANSWER_BYTES, AnswerTap, answer_of_response
-from sim.model import MODEL_DIR
+from kvroute.router.edge.chat_answer import MAX_ANSWER_BYTES, AnswerTap, answer_of_response
+from kvroute.sim.model import MODEL_DIR
 from tests.router.sim_fleet import MODEL, SimRig, sim_fleet
 
 

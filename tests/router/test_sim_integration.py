@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from proto import events_pb2
+from kvroute.proto import events_pb2
 from tests.router.sim_fleet import MODEL, SimRig, sim_fleet
 from tests.router.test_events import until
 
@@ -336,7 +336,7 @@ def test_in_process_zmq_subscription_and_engine_load() -> None:
 def test_router_learns_the_engines_prefill_rate_from_streamed_first_bytes() -> None:
     """Configured 100x too fast, the router learns the simulated GPU's prefill rate from the
     first bytes of streamed requests (the sim, like vLLM, sends nothing before the prefill)."""
-    from sim.timing import DEFAULT_GPU, chunk_context
+    from kvroute.sim.timing import DEFAULT_GPU, chunk_context
 
     speed = 1.0
 
@@ -450,7 +450,7 @@ def test_router_learns_each_engines_step_period_from_relayed_chunks() -> None:
     """Streams through the router tick each worker's step clock: the learned period matches
     the simulated engine's modelled step time, and a request routed while they run is charged
     the wait for the step in flight (visible in its decision record)."""
-    from sim.timing import DEFAULT_GPU
+    from kvroute.sim.timing import DEFAULT_GPU
 
     speed = 0.5  # decode steps of ~14 ms, well above the 3 ms merge window
     streams = 3

@@ -8,7 +8,7 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.sse import SseFilter, usage_from_json
+from kvroute.router.edge.sse import SseFilter, usage_from_json
 
 
 def reference(stream: bytes, strip: bool) -> tuple[bytes, int | None]:

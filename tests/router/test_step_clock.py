@@ -1,4 +1,4 @@
-"""The step clock (router/step_clock.py) and the policy's use of it."""
+"""The step clock (kvroute/router/fleet/step_clock.py) and the policy's use of it."""
 
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.config import BreakerConfig, PolicyConfig, WorkerSpec
-from router.load import LoadTicket
-from router.policy import LoadModel, RouteInput, make_policy
-from router.step_clock import StepClock
-from router.workers import Worker, WorkerRegistry
+from kvroute.router.config import BreakerConfig, PolicyConfig, WorkerSpec
+from kvroute.router.fleet.load import LoadTicket
+from kvroute.router.fleet.step_clock import StepClock
+from kvroute.router.fleet.workers import Worker, WorkerRegistry
+from kvroute.router.routing.policy import LoadModel, RouteInput, make_policy
 
 
 def ticks(clock: StepClock, start: float, period: float, steps: int, streams: int = 3) -> float:

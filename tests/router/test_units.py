@@ -10,14 +10,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
-from router.config import RetryConfig
-from router.errors import RouterError
-from router.hashring import HashRing
-from router.load import LoadTicket, WorkerLoad, parse_engine_metrics
-from router.openai_request import forward_headers, parse_request, with_stream_usage
-from router.retry import Backoff, RetryBudget
-from router.sse import SseFilter, usage_from_json
+from kvroute.router.config import RetryConfig
+from kvroute.router.edge.errors import RouterError
+from kvroute.router.edge.openai_request import forward_headers, parse_request, with_stream_usage
+from kvroute.router.edge.retry import Backoff, RetryBudget
+from kvroute.router.edge.sse import SseFilter, usage_from_json
+from kvroute.router.fleet.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
+from kvroute.router.fleet.load import LoadTicket, WorkerLoad, parse_engine_metrics
+from kvroute.router.routing.hashring import HashRing
 
 # -- breaker ---------------------------------------------------------------------------
 

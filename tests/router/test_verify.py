@@ -8,9 +8,16 @@ import logging
 
 import pytest
 
-from router.config import VerifyConfig
-from router.metrics import RouterMetrics
-from router.verify import EXACT, NOT_REPORTED, OVER, TOKENIZER_MISMATCH, UNDER, Verifier
+from kvroute.router.config import VerifyConfig
+from kvroute.router.fleet.verify import (
+    EXACT,
+    NOT_REPORTED,
+    OVER,
+    TOKENIZER_MISMATCH,
+    UNDER,
+    Verifier,
+)
+from kvroute.router.ops.metrics import RouterMetrics
 from tests.router.harness import rig
 from tests.router.test_events import FakeBridge, batch, until
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from sim.cache import SimCache
-from sim.cache.hashing import external
-from sim.cache.request import CacheSeq
-from sim.cache_api import CacheRequest, CacheSpec, GroupSpec
-from sim.engine.scheduler import Scheduler, StepPlan
-from sim.events import KvEvent
+from kvroute.sim.cache import SimCache
+from kvroute.sim.cache.hashing import external
+from kvroute.sim.cache.request import CacheSeq
+from kvroute.sim.cache_api import CacheRequest, CacheSpec, GroupSpec
+from kvroute.sim.engine.scheduler import Scheduler, StepPlan
+from kvroute.sim.events import KvEvent
 
 FA16 = GroupSpec("full_attention", 16)
 SWA32 = GroupSpec("sliding_window", 16, 32)
@@ -31,7 +31,7 @@ class Run:
 
 
 class Driver:
-    """One request at a time, like reference §9.3, through sim.engine.scheduler."""
+    """One request at a time, like reference §9.3, through kvroute.sim.engine.scheduler."""
 
     def __init__(self, spec: CacheSpec, budget: int = 2048) -> None:
         self.cache = SimCache(spec)

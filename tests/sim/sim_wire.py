@@ -7,7 +7,7 @@ from typing import Any
 
 import zmq
 
-from bridge.vllm_schema import (
+from kvroute.bridge.vllm_schema import (
     BatchDecoder,
     DecodedBatch,
     LiveMessage,

@@ -16,8 +16,8 @@ from typing import Any
 import httpx
 import pytest
 
-from sim.engine.core import EngineConfig
-from sim.server import SimEngineThread
+from kvroute.sim.engine.core import EngineConfig
+from kvroute.sim.server import SimEngineThread
 
 # vLLM 0.33 field names (model_dump() of the response models).
 CHAT_RESPONSE = {

@@ -7,13 +7,13 @@ from typing import Any
 
 import httpx
 
-from bridge.app import Bridge, BridgeConfig
-from bridge.client import subscribe
-from bridge.discovery import ranked_endpoints
-from proto.events_pb2 import KvGroupEvent, SubscribeResponse
-from sim.engine.core import EngineConfig
-from sim.publisher import PublisherConfig
-from sim.server import start_engine
+from kvroute.bridge.app import Bridge, BridgeConfig
+from kvroute.bridge.client import subscribe
+from kvroute.bridge.discovery import ranked_endpoints
+from kvroute.proto.events_pb2 import KvGroupEvent, SubscribeResponse
+from kvroute.sim.engine.core import EngineConfig
+from kvroute.sim.publisher import PublisherConfig
+from kvroute.sim.server import start_engine
 
 PROMPT = "a hybrid model keeps Mamba state only where a sibling can resume " * 6
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from sim_testkit import FA16, MAMBA16, MAMBA64, SWA32, Driver, hashes
 
-from sim.cache_api import CacheSpec
-from sim.events import BlockRemoved, BlockStored
+from kvroute.sim.cache_api import CacheSpec
+from kvroute.sim.events import BlockRemoved, BlockStored
 
 A = list(range(1000, 1100))  # 100 tokens
 B = A[:64] + list(range(2000, 2036))  # shares A's first 64 tokens, then differs

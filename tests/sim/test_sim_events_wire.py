@@ -7,9 +7,9 @@ import msgspec
 import pytest
 from sim_wire import Subscriber, replay
 
-from sim.engine.core import EngineConfig
-from sim.publisher import PublisherConfig
-from sim.server import SimEngineThread
+from kvroute.sim.engine.core import EngineConfig
+from kvroute.sim.publisher import PublisherConfig
+from kvroute.sim.server import SimEngineThread
 
 PROMPT = "events reach the bridge over ZMQ with sequence numbers " * 8
 

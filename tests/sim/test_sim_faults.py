@@ -12,9 +12,9 @@ import httpx
 import pytest
 from sim_wire import Subscriber, replay
 
-from bridge.vllm_schema import BatchDecoder, DecodedCleared, MalformedPayload, parse_live
-from sim.engine.core import EngineConfig
-from sim.server import SimEngineThread
+from kvroute.bridge.vllm_schema import BatchDecoder, DecodedCleared, MalformedPayload, parse_live
+from kvroute.sim.engine.core import EngineConfig
+from kvroute.sim.server import SimEngineThread
 
 PROMPT = "faults are injected on demand by tests and operators " * 6
 

@@ -92,7 +92,7 @@ def test_fleet_starts_serves_and_stops_cleanly(tmp_path: Path, sig: signal.Signa
         assert len({w["url"] for w in workers}) == n
         config = yaml.safe_load((tmp_path / "router.yaml").read_text())
         assert [w["url"] for w in config["workers"]] == [w["url"] for w in workers]
-        assert config["models"]["kvroute-sim"]["tokenizer"].endswith("sim/model")
+        assert config["models"]["kvroute-sim"]["tokenizer"].endswith("kvroute/sim/model")
         assert config["models"]["kvroute-sim"]["alignment"] == 16
         # the router's tokenizer is the engines' own: plain chats go to them as token ids
         assert config["models"]["kvroute-sim"]["send_token_ids"] is True

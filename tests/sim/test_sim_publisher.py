@@ -6,8 +6,8 @@ import time
 
 from sim_wire import replay
 
-from sim.events import AllBlocksCleared
-from sim.publisher import EventPublisher, PublisherConfig
+from kvroute.sim.events import AllBlocksCleared
+from kvroute.sim.publisher import EventPublisher, PublisherConfig
 
 
 def test_replay_ring_keeps_only_the_last_buffer_steps_batches() -> None:

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import socket
 
-from sim.engine.core import EngineConfig
-from sim.server import SimEngineThread, bind_socket
+from kvroute.sim.engine.core import EngineConfig
+from kvroute.sim.server import SimEngineThread, bind_socket
 
 
 def test_listener_is_a_tcp_socket_so_accepted_connections_get_nodelay() -> None:

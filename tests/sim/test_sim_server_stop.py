@@ -10,8 +10,8 @@ import time
 
 import httpx
 
-from sim.engine.core import EngineConfig
-from sim.server import SimEngineThread
+from kvroute.sim.engine.core import EngineConfig
+from kvroute.sim.server import SimEngineThread
 
 
 def test_stop_with_requests_in_flight_is_bounded_and_leaves_no_pending_task() -> None:

@@ -9,12 +9,12 @@ import httpx
 import pytest
 from sim_testkit import FA16
 
-from sim.cache import SimCache
-from sim.cache_api import CacheRequest, CacheSpec
-from sim.engine.core import Engine, EngineConfig, GenerateRequest, RequestHandle
-from sim.engine.scheduler import Scheduler
-from sim.server import SimEngineThread
-from sim.timing import DEFAULT_GPU, chunk_context
+from kvroute.sim.cache import SimCache
+from kvroute.sim.cache_api import CacheRequest, CacheSpec
+from kvroute.sim.engine.core import Engine, EngineConfig, GenerateRequest, RequestHandle
+from kvroute.sim.engine.scheduler import Scheduler
+from kvroute.sim.server import SimEngineThread
+from kvroute.sim.timing import DEFAULT_GPU, chunk_context
 
 
 def test_model_is_monotonic_and_roughly_calibrated() -> None:

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from sim.model import MODEL_DIR
-from sim.model.build import build_tokenizer, main
-from sim.tokenizer import ChatTemplateError, SimTokenizer
+from kvroute.sim.model import MODEL_DIR
+from kvroute.sim.model.build import build_tokenizer, main
+from kvroute.sim.tokenizer import ChatTemplateError, SimTokenizer
 
 
 def test_committed_files_match_the_build_script() -> None:

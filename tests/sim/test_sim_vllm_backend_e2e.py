@@ -8,7 +8,7 @@ a cache salt, a prefix-cache reset, a pool small enough to evict. Then:
 - every request's `usage.prompt_tokens_details.cached_tokens` is the same on both;
 - /sim/probe gives the same hit and per-group hits for every prompt afterwards;
 - the event streams, fetched whole from each engine's replay socket and decoded with
-  bridge.vllm_schema, are the same batch for batch (sequence numbers, event types, groups,
+  kvroute.bridge.vllm_schema, are the same batch for batch (sequence numbers, event types, groups,
   kinds, windows, token spans, parents, LoRA and extra keys, removals, clears).
 
 Hashes: the vLLM backend keeps vLLM's own hash function (sha256 over pickle), the one a real
@@ -41,7 +41,7 @@ import pytest
 from sim_wire import replay
 from vllm_env import vllm_python
 
-from bridge.vllm_schema import BatchDecoder, DecodedCleared, DecodedRemoved, DecodedStored
+from kvroute.bridge.vllm_schema import BatchDecoder, DecodedCleared, DecodedRemoved, DecodedStored
 
 ROOT = Path(__file__).resolve().parents[2]
 KINDS = (DecodedStored, DecodedRemoved, DecodedCleared)

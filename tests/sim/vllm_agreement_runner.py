@@ -3,7 +3,8 @@
 Usage (inside .venv-vllm, with the repository on PYTHONPATH):
     python tests/sim/vllm_agreement_runner.py --seeds 0-19
 Prints one JSON line per scenario with the first divergence (or none) and exits 1 if any
-scenario diverged. Both backends are driven by the same scheduler (sim.engine.scheduler), so a
+scenario diverged. Both backends are driven by the same scheduler (kvroute.sim.engine.scheduler),
+so a
 divergence in admission, chunking, preemption, hits or events shows up as a different trace.
 Hashes differ between the backends by design; events are compared after mapping every hash
 to the token prefix (and namespace) it stands for.
@@ -20,11 +21,11 @@ from typing import Any
 
 import msgspec
 
-from sim.cache import SimCache
-from sim.cache.hashing import external
-from sim.cache_api import CacheRequest, CacheSpec, GroupSpec
-from sim.engine.scheduler import Scheduler
-from sim.events import BlockRemoved, BlockStored, KvEvent
+from kvroute.sim.cache import SimCache
+from kvroute.sim.cache.hashing import external
+from kvroute.sim.cache_api import CacheRequest, CacheSpec, GroupSpec
+from kvroute.sim.engine.scheduler import Scheduler
+from kvroute.sim.events import BlockRemoved, BlockStored, KvEvent
 
 PROFILES: dict[str, tuple[GroupSpec, ...]] = {
     "dense": (GroupSpec("full_attention", 16),),
@@ -235,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", default="0-9")
     args = parser.parse_args(argv)
     lo, _, hi = args.seeds.partition("-")
-    from sim.vllm_backend import VllmCacheBackend  # only importable in .venv-vllm
+    from kvroute.sim.vllm_backend import VllmCacheBackend  # only importable in .venv-vllm
 
     bad = 0
     for seed in range(int(lo), int(hi or lo) + 1):

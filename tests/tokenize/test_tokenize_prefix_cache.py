@@ -12,11 +12,11 @@ from hypothesis import strategies as st
 from tokenize_helpers import conversations, metaspace_conversations, text
 from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, processors
 
-from router.tokenize.encoder import TextEncoder
-from router.tokenize.errors import TokenizeError
-from router.tokenize.local import LocalTokenizer
-from router.tokenize.prefix_cache import CHUNK_CHARS, PrefixCache, chunk_digests
-from router.tokenize.spec import TokenizerSpec
+from kvroute.router.tokenize.encoder import TextEncoder
+from kvroute.router.tokenize.errors import TokenizeError
+from kvroute.router.tokenize.local import LocalTokenizer
+from kvroute.router.tokenize.prefix_cache import CHUNK_CHARS, PrefixCache, chunk_digests
+from kvroute.router.tokenize.spec import TokenizerSpec
 
 SCALE = int(os.environ.get("KVROUTE_TOKENIZE_SCALE", "1"))
 FIXTURE_SETTINGS = settings(
@@ -50,7 +50,7 @@ def _scratch(tok: LocalTokenizer, text_: str) -> list[int]:
 # ---- the core property: cached == from scratch --------------------------------------------
 
 
-SIM_MODEL = Path(__file__).resolve().parents[2] / "sim" / "model"
+SIM_MODEL = Path(__file__).resolve().parents[2] / "kvroute" / "sim" / "model"
 
 
 @FIXTURE_SETTINGS
@@ -317,7 +317,7 @@ def test_overlapping_added_tokens_never_break_cached_ids(first: str, more: list[
         ]
     )
     spec = TokenizerSpec("local", path="unused")
-    from router.tokenize.model_dir import ModelFiles
+    from kvroute.router.tokenize.model_dir import ModelFiles
 
     local = LocalTokenizer(spec, ModelFiles(tok, {}, {}), cache=PrefixCache(64, 1 << 22))
     current = first
@@ -440,7 +440,7 @@ def test_verification_turns_the_cache_off_on_a_mismatch(model_dirs: dict[str, Pa
     files_tok = _local(model_dirs["chatml"])
     tok = LocalTokenizer(
         files_tok.spec,
-        __import__("router.tokenize.model_dir", fromlist=["load_model_dir"]).load_model_dir(
+        __import__("kvroute.router.tokenize.model_dir", fromlist=["load_model_dir"]).load_model_dir(
             model_dirs["chatml"]
         ),
         cache=PrefixCache(64, 1 << 24),

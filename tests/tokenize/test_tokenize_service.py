@@ -17,9 +17,9 @@ import pytest
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from router.tokenize import TokenizedPrompt, TokenizeError, Tokenizers, TokenizerSpec
-from router.tokenize.local import LocalTokenizer
-from router.tokenize.prefix_cache import PrefixCache
+from kvroute.router.tokenize import TokenizedPrompt, TokenizeError, Tokenizers, TokenizerSpec
+from kvroute.router.tokenize.local import LocalTokenizer
+from kvroute.router.tokenize.prefix_cache import PrefixCache
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -773,13 +773,13 @@ def test_render_uses_an_injected_transport(model_dirs: dict[str, Path]) -> None:
 def test_check_tool_against_an_engine(
     model_dirs: dict[str, Path], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from router.tokenize import check
+    from kvroute.router.tokenize import check
 
     async def go(engine_dir: Path, local_dir: Path) -> int:
         engine = FakeEngine(engine_dir)
         local = _reference(local_dir)
         async with serve(engine) as url:
-            from router.tokenize.render_client import AiohttpPoster
+            from kvroute.router.tokenize.render_client import AiohttpPoster
 
             poster = AiohttpPoster()
             try:
@@ -796,7 +796,7 @@ def test_check_tool_against_an_engine(
 
 
 def test_workers_without_render_routes_are_remembered_within_a_bound() -> None:
-    from router.tokenize import render_client
+    from kvroute.router.tokenize import render_client
 
     class NoRender:
         async def post_json(self, url: str, payload: Any, timeout_s: float) -> tuple[int, bytes]:

@@ -10,12 +10,17 @@ from typing import Any
 import pytest
 from tokenize_fixture_model import build_model_dir
 
-from router.tokenize.errors import TokenizeError
-from router.tokenize.local import LocalTokenizer
-from router.tokenize.model_dir import load_model_dir, load_template_override
-from router.tokenize.prefix_cache import PrefixCache
-from router.tokenize.spec import TokenizerSpec
-from router.tokenize.template import ChatTemplate, RenderInput, choose_template, make_environment
+from kvroute.router.tokenize.errors import TokenizeError
+from kvroute.router.tokenize.local import LocalTokenizer
+from kvroute.router.tokenize.model_dir import load_model_dir, load_template_override
+from kvroute.router.tokenize.prefix_cache import PrefixCache
+from kvroute.router.tokenize.spec import TokenizerSpec
+from kvroute.router.tokenize.template import (
+    ChatTemplate,
+    RenderInput,
+    choose_template,
+    make_environment,
+)
 
 MSGS = [{"role": "user", "content": "hi"}]
 
@@ -205,7 +210,7 @@ def test_unusable_directories(tmp_path: Path) -> None:
 
 
 def test_directory_without_template_gives_no_chat_ids(tmp_path: Path) -> None:
-    from router.tokenize.chat_request import NotExact
+    from kvroute.router.tokenize.chat_request import NotExact
 
     d = _dir(tmp_path)
     cfg = json.loads((d / "tokenizer_config.json").read_text())
@@ -222,7 +227,7 @@ def test_directory_without_template_gives_no_chat_ids(tmp_path: Path) -> None:
 
 
 def test_request_templates_are_kept_within_a_bound(tmp_path: Path) -> None:
-    from router.tokenize import local as local_mod
+    from kvroute.router.tokenize import local as local_mod
 
     d = _dir(tmp_path)
     spec = TokenizerSpec("local", path=str(d), trust_request_chat_template=True)

@@ -13,11 +13,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenize_helpers import conversations, metaspace_conversations, plain_text, text, tools
 
-from router.tokenize.chat_request import NotExact
-from router.tokenize.errors import TokenizeError
-from router.tokenize.local import LocalTokenizer
-from router.tokenize.prefix_cache import PrefixCache
-from router.tokenize.spec import TokenizerSpec
+from kvroute.router.tokenize.chat_request import NotExact
+from kvroute.router.tokenize.errors import TokenizeError
+from kvroute.router.tokenize.local import LocalTokenizer
+from kvroute.router.tokenize.prefix_cache import PrefixCache
+from kvroute.router.tokenize.spec import TokenizerSpec
 
 pytestmark = pytest.mark.vllm
 SETTINGS = settings(
@@ -101,13 +101,14 @@ def test_llama3_openai_content_format_matches_vllm(
     _compare(_local(model_dirs["llama3"]), oracle, model_dirs["llama3"], body)
 
 
-SIM_MODEL = Path(__file__).resolve().parents[2] / "sim" / "model"
+SIM_MODEL = Path(__file__).resolve().parents[2] / "kvroute" / "sim" / "model"
 
 
 @SETTINGS
 @given(body=chat_bodies(conversations()))
 def test_sim_model_matches_vllm(oracle: Any, body: dict[str, Any]) -> None:
-    """The simulated engine's shipped model directory (sim/model) as the router would use it."""
+    """The simulated engine's shipped model directory (kvroute/sim/model) as the router would use
+    it."""
     _compare(_local(SIM_MODEL), oracle, SIM_MODEL, body)
 
 

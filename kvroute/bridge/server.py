@@ -1,0 +1,78 @@
+"""The gRPC `kvroute.v1.KvEvents` service (grpc.aio, on the bridge's event loop).
+
+Responses are pre-serialized once per batch by `RankStream` and written as bytes to every
+subscriber, so fan-out costs no re-serialization.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+import grpc.aio
+
+from kvroute.bridge.stream import RankStream
+from kvroute.proto.events_pb2 import SubscribeRequest
+
+SERVICE: str = "kvroute.v1.KvEvents"
+
+
+def _identity(message: bytes) -> bytes:
+    return message
+
+
+def kv_events_handler(
+    streams: Callable[[int], RankStream | None],
+) -> grpc.GenericRpcHandler[SubscribeRequest, bytes]:
+    """A handler serving `Subscribe` from the rank streams `streams(dp_rank)` returns."""
+
+    async def subscribe(
+        request: SubscribeRequest, context: grpc.aio.ServicerContext[SubscribeRequest, bytes]
+    ) -> AsyncIterator[bytes]:
+        stream = streams(request.dp_rank)
+        if stream is None:
+            # Unknown yet (discovery pending) or never: the client retries with backoff.
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"this bridge does not follow dp_rank {request.dp_rank}",
+            )
+            return
+        subscriber = stream.subscribe(request)
+        try:
+            # Headers now, not with the first message: a router that resumed with nothing
+            # missed gets no message until the engine's next batch, and reads the headers
+            # as "accepted, up to date" to trust its kept view again at once.
+            await context.send_initial_metadata(())
+            while True:
+                yield await subscriber.queue.get()
+        finally:
+            stream.unsubscribe(subscriber)
+
+    method = grpc.unary_stream_rpc_method_handler(
+        subscribe,
+        request_deserializer=SubscribeRequest.FromString,
+        response_serializer=_identity,
+    )
+    return grpc.method_handlers_generic_handler(SERVICE, {"Subscribe": method})
+
+
+async def start_grpc_server(
+    listen: str, handler: grpc.GenericRpcHandler[SubscribeRequest, bytes]
+) -> tuple[grpc.aio.Server, int]:
+    """Start a grpc.aio server on `listen` ("host:port", port 0 = ephemeral)."""
+    server = grpc.aio.server(
+        options=[
+            ("grpc.so_reuseport", 0),
+            # Routers ping quiet streams to notice a cut network; with gRPC's defaults (one
+            # ping per 5 min without data, 2 strikes) an idle stream was closed with
+            # "too_many_pings" every minute or two.
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", 1000),
+            ("grpc.http2.max_ping_strikes", 0),
+        ]
+    )
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port(listen)
+    if port == 0:
+        raise OSError(f"cannot listen on {listen}")
+    await server.start()
+    return server, port

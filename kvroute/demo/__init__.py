@@ -1,0 +1,1 @@
+"""`kvroute demo`: cache-aware routing against round robin on a simulated fleet."""

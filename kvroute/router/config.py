@@ -1,0 +1,375 @@
+"""The router's configuration: every tunable, its default and what it means.
+
+The records here are plain frozen dataclasses; `kvroute.router.config_load` builds them from a YAML
+file, `KVROUTE_*` environment variables and command-line flags, and validates them. Each field
+carries its documentation in `metadata["doc"]`, so `kvroute serve --print-defaults` can print
+the whole reference from the one source.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+POLICY_NAMES = (
+    "ttft",
+    "full_attention_only",
+    "round_robin",
+    "random",
+    "least_load",
+    "session",
+)
+TOKENIZER_MODES = ("render", "request")  # anything else is a local model directory
+
+
+def _f(default: Any, doc: str) -> Any:
+    """A dataclass field with an immutable default and its documentation."""
+    return field(default=default, metadata={"doc": doc})
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSpec:
+    """One engine endpoint (one DP rank of one vLLM server)."""
+
+    name: str = _f("", "unique worker name: its identity in the index, metrics and admin API")
+    url: str = _f("", "the engine's OpenAI HTTP base URL, e.g. http://10.0.0.5:8000 (no /v1)")
+    bridge: str | None = _f(None, "host:port of the worker's kvroute bridge (gRPC KV events)")
+    zmq: str | None = _f(None, "tcp://host:port of the engine's ZMQ PUB socket (in-process)")
+    replay: str | None = _f(None, "with zmq: tcp://host:port of the engine's replay socket")
+    topic: str = _f("", "with zmq: the engine's KV-event topic prefix")
+    dp_rank: int = _f(0, "data-parallel rank of the engine this worker stands for")
+    model: str | None = _f(None, "served model name; learned from /v1/models when unset")
+    instance: str = _f("", "incarnation id (e.g. pod uid); a change means a new engine")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """How the router gets exact token ids for one served (base) model."""
+
+    tokenizer: str | None = _f(
+        None,
+        'local model directory, "render" (engine render endpoint) or "request" (ids given in '
+        "the request); unset = tokenizer.default",
+    )
+    chat_template: str | None = _f(None, "optional .jinja file overriding the model's template")
+    alignment: int | None = _f(None, "override the hit alignment (tokens) for this model")
+    send_token_ids: bool = _f(
+        False,
+        "send plain chat requests (no tools, structured output or logprobs; max_tokens given) "
+        "to the engine as /v1/completions of the router's token ids, converting the answer "
+        "back to chat format, so the engine does not render and tokenize the prompt again; "
+        "only with a tokenizer that gives the engine's exact ids (check it with python -m "
+        "kvroute.router.tokenize.check)",
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyConfig:
+    name: str = _f("ttft", "routing policy: " + ", ".join(POLICY_NAMES))
+    prefill_tokens_per_s: float = _f(
+        20000.0, "a worker's prefill throughput, tokens/s (converts tokens to seconds)"
+    )
+    learn_prefill_rate: bool = _f(
+        False,
+        "route with the prefill rate measured from streamed first bytes (prefill_tokens_per_s "
+        "is then only the starting value); off by default: on the routing benchmark it made "
+        "the policy balance load more and reuse about 2 points less (see README)",
+    )
+    queue_weight: float = _f(
+        0.25,
+        "weight of a worker's queued prefill in the TTFT estimate; below 1 a request stays "
+        "with its cache longer before load is balanced (moving it leaves a second copy of the "
+        "prefix that crowds the cache); 1 = the TTFT estimate as such",
+    )
+    tokens_per_running: float = _f(
+        100.0,
+        "prefill tokens each request already running on a worker adds to its TTFT estimate "
+        "(decode steps interleave; 5 ms at the default rate). It also spreads conversations, "
+        "so no worker's cache is crowded into evicting state its own sessions need next "
+        "(sliding-window benchmark: 69% cached at 20 tokens, 74-78% at 100). In tokens, not "
+        "seconds, so a fleet's true prefill_tokens_per_s keeps the ranking tuned here",
+    )
+    tokens_per_running_home: float = _f(
+        20.0,
+        "the per-running charge instead, on the one worker whose predicted reuse beats every "
+        "other worker's by at least a hash unit (where the request's conversation lives): "
+        "keeping a conversation where it is adds no session to that cache, and moving it "
+        "re-prefills its own history (dense benchmark, three seeds: at 100 tokens, 42 of 890 "
+        "requests got less cache than under smg, mostly second turns that moved and kept only "
+        "the shared system prompt; at 20, 3)",
+    )
+    home_load_bound: float = _f(
+        1.5,
+        "the home's per-running discount (tokens_per_running_home) holds only while the "
+        "home runs at most this many times the fleet's mean running requests; beyond it the "
+        "home is charged tokens_per_running like any worker, so a prefix only one worker "
+        "holds (a tenant's system prompt) does not draw every new conversation onto it "
+        "(0 = always discounted; benchmark, against 0, three seeds each: sliding window p50 "
+        "-4.0 ms and 2 points more cached, bench/results/stop23; dense p50 -2.9 ms, Mamba "
+        "level, bench/results/stop24)",
+    )
+    full_queue_without_reuse: bool = _f(
+        True,
+        "on a worker that reuses nothing of the request, count its queued prefill in full "
+        "(queue_weight is there to keep a request with its cache; a cold request gains nothing "
+        "by waiting, and two cold re-prefills would otherwise stack on one busy worker for the "
+        "junction credit); Mamba benchmark, six seeds: p99 -114 ms (lower in 5 of 6 seeds), "
+        "p50 +2.4 ms, both within noise (bench/results/cold_queue_ab)",
+    )
+    step_wait_weight: float = _f(
+        0.0,
+        "weight of the expected wait for a worker's step in flight in the TTFT estimate (vLLM "
+        "schedules a new request's prefill when the running step ends; each worker's step "
+        "period and phase are learned from the stream chunks the router relays); off by "
+        "default: on the routing benchmark (three seeds) it measured no better than 0 (see "
+        "bench/results/step_wait_ab)",
+    )
+    saturation_queue_s: float = _f(
+        2.0, "a worker whose queued prefill exceeds this many seconds is saturated"
+    )
+    max_running_per_worker: int = _f(
+        256, "a worker with this many running requests is saturated (vLLM max_num_seqs)"
+    )
+    kv_usage_saturation: float = _f(
+        0.97, "a worker whose KV cache usage (from /metrics) reaches this is saturated"
+    )
+    spill: bool = _f(
+        True, "when the best worker is saturated, send the request to the best unsaturated one"
+    )
+    affinity_weight: float = _f(
+        1.5,
+        "hybrid models: credit a worker this fraction of the prefill time of the prompt tokens "
+        "its full-attention blocks hold beyond its reuse (vLLM saves sliding-window/Mamba state "
+        "at that junction when it serves the request there, so later requests sharing the "
+        "prefix reuse it); 0 = greedy on reuse now. 1.5 keeps a hot-prefix burst on its "
+        "document's worker (bench/results/stop25, sliding window: 1.5 with "
+        "junction_shared_only against 0.5 for any covered prefix, cached tokens 76.2% "
+        "against 73.0%, p50/p99 level)",
+    )
+    junction_shared_only: bool = _f(
+        True,
+        "hybrid models: no junction credit for a conversation's own history (the prompt "
+        "tokens from the first block only its session asked this router for: wherever it is "
+        "served, vLLM stores the state at its prompt's end) nor below the fleet's best reuse "
+        "(there the junction is a second copy)",
+    )
+    sharing_max_keys: int = _f(
+        262_144,
+        "how many prompt index keys the router remembers as asked for by which session "
+        "(for junction_shared_only; the oldest are forgotten first)",
+    )
+    session_header: str = _f("x-session-id", "request header holding the session key")
+    session_field: str = _f("user", "request body field holding the session key")
+    session_bounded_load: float = _f(
+        1.25, "consistent hashing: a worker takes at most this factor times the mean load"
+    )
+    session_slack_tokens: float = _f(
+        400.0,
+        "a request with no cache evidence follows its session's consistent hash only among "
+        "workers whose estimated TTFT is within this many prefill tokens of the fastest (20 ms "
+        "at the default rate): a cold prompt gains nothing by waiting behind another worker's "
+        "prefill (its next turn follows the cache, not the hash); a large value = the hash "
+        "with bounded load alone",
+    )
+    virtual_nodes: int = _f(64, "consistent hashing: ring points per worker")
+    hash_unit: int = _f(16, "index hash unit in tokens; must divide every group's block size")
+    expect_seconds: float = _f(
+        10.0, "after routing, credit the chosen worker with the prompt for this long"
+    )
+    avg_prompt_tokens: int = _f(
+        1024, "initial estimate of a waiting request's prefill tokens (learned at run time)"
+    )
+    seed: int | None = _f(None, "seed of the random policy (unset = random)")
+
+
+@dataclass(frozen=True, slots=True)
+class LimitsConfig:
+    max_body_bytes: int = _f(16 * 1024 * 1024, "request bodies above this get 413")
+    max_in_flight: int = _f(4096, "requests in flight in this process above this get 503")
+    decisions_buffer: int = _f(256, "routing decisions kept for GET /admin/decisions")
+    max_workers: int = _f(4096, "workers the registry accepts (admin add beyond it fails)")
+    upstream_connections: int = _f(
+        1024, "pooled upstream connections per process (keep-alive), all workers"
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class TimeoutsConfig:
+    connect_s: float = _f(3.0, "upstream TCP connect timeout")
+    read_idle_s: float = _f(600.0, "upstream silence (no byte) longer than this fails the call")
+    health_s: float = _f(2.0, "timeout of one health / models / metrics probe")
+    retry_after_s: int = _f(1, "Retry-After seconds sent with 503 when no worker can serve")
+    keep_alive_s: float = _f(
+        75.0,
+        "idle client connections are kept this long; above load balancers' idle timeouts "
+        "(60 s is common), so the router never closes a connection a client is reusing",
+    )
+    shutdown_s: float = _f(30.0, "on shutdown, wait this long for streams to finish")
+
+
+@dataclass(frozen=True, slots=True)
+class RetryConfig:
+    max_attempts: int = _f(3, "attempts per request, across workers, before the first byte")
+    backoff_initial_s: float = _f(0.02, "wait before the second attempt")
+    backoff_multiplier: float = _f(2.0, "each further wait is this many times longer")
+    backoff_max_s: float = _f(0.5, "upper bound of one wait")
+    budget_ratio: float = _f(0.2, "retries allowed as a fraction of recent requests")
+    budget_min_per_s: float = _f(5.0, "retries always allowed per second regardless of ratio")
+
+
+@dataclass(frozen=True, slots=True)
+class BreakerConfig:
+    failure_threshold: int = _f(5, "consecutive failures (connect, timeout, 5xx) that open it")
+    open_s: float = _f(10.0, "how long it stays open before letting one probe through")
+    half_open_successes: int = _f(2, "successful probes that close it again")
+
+
+@dataclass(frozen=True, slots=True)
+class HealthConfig:
+    interval_s: float = _f(5.0, "active health check (GET /health) period per worker")
+    unhealthy_after: int = _f(2, "consecutive failed checks that mark a worker unhealthy")
+    healthy_after: int = _f(1, "consecutive good checks that mark it healthy again")
+    models_interval_s: float = _f(30.0, "how often each worker's /v1/models is re-read")
+
+
+@dataclass(frozen=True, slots=True)
+class LoadConfig:
+    metrics_interval_s: float = _f(
+        1.0, "how often each worker's /metrics is read (0 = never; own accounting only)"
+    )
+    metrics_max_interval_s: float = _f(
+        16.0,
+        "while a worker's scrapes show no other router's requests and KV usage clear of "
+        "saturation, its scrape period doubles up to this (= metrics_interval_s: fixed period)",
+    )
+    release_at_measured_rate: bool = _f(
+        True,
+        "a request's uncached prompt tokens count as queued on its worker until its first "
+        "byte or its estimated TTFT; with this on, that estimate is converted to wall time at "
+        "the prefill rate measured from streamed first bytes, so a fleet slower than "
+        "policy.prefill_tokens_per_s does not look idle while it is still prefilling "
+        "(benchmark, fleet 3.5x slower than configured: sliding window p50 -2.4 ms, p99 "
+        "-197 ms within noise, 96.6% of the oracle's cached tokens instead of 94.6%; Mamba "
+        "p99 -236 ms; dense level; bench/results/stop23)",
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class EventsConfig:
+    reconnect_initial_s: float = _f(0.2, "first wait before re-subscribing to a lost stream")
+    reconnect_max_s: float = _f(5.0, "upper bound of the reconnect backoff")
+    keepalive_s: float = _f(
+        20.0, "gRPC keepalive ping period on bridge streams (finds a silently cut network)"
+    )
+    keepalive_timeout_s: float = _f(10.0, "a keepalive ping unanswered this long drops the stream")
+    max_entries_per_worker: int = _f(2_000_000, "index entries kept per worker (LRU beyond)")
+    max_pending_per_worker: int = _f(100_000, "unresolved reported blocks kept per worker")
+    snapshot_step_blocks: int = _f(
+        1024,
+        "a snapshot is applied this many blocks at a time, serving requests in between "
+        "(the old view answers until the new one is complete)",
+    )
+    apply_delay_s: float = _f(
+        0.002,
+        "a live event batch waits this long before it is applied, so the streamed tokens "
+        "of the same engine step (which arrive with it) are relayed first (0 = at once)",
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyConfig:
+    enabled: bool = _f(True, "compare each response's cached_tokens with the prediction")
+    window: int = _f(32, "recent responses per worker considered for drift")
+    min_samples: int = _f(8, "responses needed in the window before drift is judged")
+    miss_fraction: float = _f(0.5, "fraction of misses in the window that triggers a resync")
+    tolerance_tokens: int = _f(
+        0, "a prediction off by at most this many tokens (beyond alignment) is a hit"
+    )
+    resync_cooldown_s: float = _f(30.0, "minimum time between two resyncs of one worker")
+
+
+@dataclass(frozen=True, slots=True)
+class AdminConfig:
+    token: str | None = _f(None, "bearer token for /admin/*; unset = admin API disabled")
+    response_headers: bool = _f(
+        False, "add x-kvroute-worker / x-kvroute-predicted-cached-tokens to responses"
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class TokenizerConfig:
+    default: str | None = _f(
+        None,
+        'tokenizer for models not listed under models: a directory, "render" or "request"; '
+        "unset = such models are routed without cache evidence",
+    )
+    threads: int = _f(2, "threads tokenizing off the event loop")
+    inline_chars: int = _f(
+        4096,
+        "prompt text not in the conversation prefix cache up to this many characters is "
+        "encoded on the event loop (cheaper than the hop to a thread); 0 = always a thread",
+    )
+    partial_min_chars: int = _f(
+        512,
+        "a streamed request whose history is in the prefix cache and whose new text is at "
+        "least this many characters is routed on the history's ids; the new text is encoded "
+        "while the engine works (the decision waits for no encode); 0 = always encode first",
+    )
+    remember_answers: bool = _f(
+        True,
+        "after a plain chat answer, encode the conversation with it into the prefix cache in "
+        "the background, so the next turn encodes only its new message before dispatch",
+    )
+    cache_entries: int = _f(4096, "conversation prefixes whose ids are cached")
+    render_timeout_s: float = _f(5.0, "timeout of one render-endpoint call")
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    host: str = _f("127.0.0.1", "address to listen on")
+    port: int = _f(8000, "port to listen on")
+    processes: int = _f(1, "router processes sharing the port (flag --workers N)")
+    log_level: str = _f("info", "debug, info, warning or error")
+    workers: list[WorkerSpec] = field(
+        default_factory=list, metadata={"doc": "the fleet (more can be added with the admin API)"}
+    )
+    models: dict[str, ModelSpec] = field(
+        default_factory=dict, metadata={"doc": "per served model: tokenizer and alignment"}
+    )
+    policy: PolicyConfig = field(
+        default_factory=PolicyConfig, metadata={"doc": "how a worker is chosen"}
+    )
+    limits: LimitsConfig = field(
+        default_factory=LimitsConfig, metadata={"doc": "bounds on requests and memory"}
+    )
+    timeouts: TimeoutsConfig = field(
+        default_factory=TimeoutsConfig, metadata={"doc": "upstream and probe timeouts"}
+    )
+    retry: RetryConfig = field(
+        default_factory=RetryConfig, metadata={"doc": "retries to another worker"}
+    )
+    breaker: BreakerConfig = field(
+        default_factory=BreakerConfig, metadata={"doc": "per-worker circuit breaker"}
+    )
+    health: HealthConfig = field(
+        default_factory=HealthConfig, metadata={"doc": "active health checks"}
+    )
+    load: LoadConfig = field(
+        default_factory=LoadConfig, metadata={"doc": "load refresh from the engines' /metrics"}
+    )
+    events: EventsConfig = field(
+        default_factory=EventsConfig, metadata={"doc": "KV-event subscriptions and index bounds"}
+    )
+    verify: VerifyConfig = field(
+        default_factory=VerifyConfig, metadata={"doc": "checking predictions against engines"}
+    )
+    admin: AdminConfig = field(default_factory=AdminConfig, metadata={"doc": "admin API"})
+    discovery: dict[str, Any] = field(
+        default_factory=dict,
+        metadata={
+            "doc": "dynamic worker sources: file and/or kubernetes (kvroute/router/fleet/discovery)"
+        },
+    )
+    tokenizer: TokenizerConfig = field(
+        default_factory=TokenizerConfig, metadata={"doc": "exact tokenization"}
+    )

@@ -1,0 +1,1 @@
+"""The router's edge: the OpenAI HTTP surface, request parsing, SSE, and the upstream client."""

@@ -1,0 +1,107 @@
+"""Small endpoints that need no routing decision: /tokenize and /detokenize (forwarded to a
+worker serving the model), /v1/models (aggregated from the fleet) and /health."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from kvroute.router.edge.body import read_bounded
+from kvroute.router.edge.errors import (
+    INVALID_JSON,
+    NO_WORKER,
+    UNKNOWN_MODEL,
+    UPSTREAM,
+    UPSTREAM_TIMEOUT,
+    RouterError,
+    error_response,
+)
+from kvroute.router.edge.openai_request import forward_headers
+from kvroute.router.edge.upstream import Upstream, UpstreamConnectError, UpstreamTimeout
+from kvroute.router.fleet.workers import Worker, WorkerRegistry
+from kvroute.router.ops.metrics import RouterMetrics
+
+_KEEP_RESPONSE_HEADERS = (b"content-type",)
+
+
+class Passthrough:
+    def __init__(
+        self,
+        registry: WorkerRegistry,
+        upstream: Upstream,
+        metrics: RouterMetrics,
+        max_body: int,
+        retry_after_s: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._registry = registry
+        self._upstream = upstream
+        self._metrics = metrics
+        self._max_body = max_body
+        self._retry_after = retry_after_s
+        self._clock = clock
+
+    async def forward(self, request: Request) -> Response:
+        """POST the body to the least busy eligible worker serving the body's model."""
+        path = request.url.path
+        try:
+            raw = await read_bounded(request, self._max_body)
+            try:
+                body = msgspec.json.decode(raw)
+            except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+                raise RouterError(INVALID_JSON, f"request body is not valid JSON: {exc}") from None
+            if not isinstance(body, dict):
+                raise RouterError(INVALID_JSON, "request body must be a JSON object")
+            worker = self._pick(body.get("model"))
+            try:
+                resp = await self._upstream.send(
+                    "POST",
+                    worker.url + path,
+                    forward_headers(request.scope["headers"]),
+                    raw,
+                )
+                data = await resp.read()
+                resp.release()
+            except UpstreamTimeout as exc:
+                raise RouterError(UPSTREAM_TIMEOUT, f"{worker.name}: {exc}") from None
+            except UpstreamConnectError as exc:
+                raise RouterError(UPSTREAM, f"{worker.name}: {exc}") from None
+            headers = {
+                k.decode("latin-1"): v.decode("latin-1")
+                for k, v in resp.headers
+                if k in _KEEP_RESPONSE_HEADERS
+            }
+            self._metrics.requests.labels(path, str(resp.status)).inc()
+            return Response(data, resp.status, headers=headers)
+        except RouterError as exc:
+            self._metrics.errors.labels(exc.kind.kind).inc()
+            self._metrics.requests.labels(path, str(exc.kind.status)).inc()
+            return error_response(exc)
+
+    def _pick(self, model: object) -> Worker:
+        now = self._clock()
+        if isinstance(model, str) and model:
+            if self._registry.route(model) is None:
+                raise RouterError(UNKNOWN_MODEL, f"The model `{model}` does not exist.")
+            pool = self._registry.serving(model)
+        else:
+            pool = list(self._registry)
+        ready = [w for w in pool if w.takes_requests(now)]
+        if not ready:
+            raise RouterError(NO_WORKER, "no healthy worker", retry_after=self._retry_after)
+        return min(ready, key=lambda w: w.load.running)
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": self._registry.model_cards()})
+
+    async def health(self, request: Request) -> Response:
+        now = self._clock()
+        ready = sum(1 for w in self._registry if w.takes_requests(now) and w.serves())
+        status = 200 if ready else 503
+        return JSONResponse(
+            {"status": "ok" if ready else "no_ready_worker", "ready_workers": ready}, status
+        )

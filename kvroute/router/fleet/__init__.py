@@ -1,0 +1,1 @@
+"""The fleet as the router sees it: workers, health, load, KV-event subscriptions, discovery."""

@@ -1,0 +1,1 @@
+"""Operating the router: admin API, metrics, decision log, dashboard, `kvroute inspect`."""

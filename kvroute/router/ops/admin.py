@@ -1,0 +1,334 @@
+"""The admin API: explain a routing decision, show the fleet, change membership.
+
+All endpoints need `Authorization: Bearer <admin.token>`; without a configured token the admin
+API is disabled (403). Nothing here changes routing state except the membership endpoints
+(add, remove, drain, undrain, resync).
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from kvroute.router.config_load import ConfigError, worker_from_dict
+from kvroute.router.edge.body import read_bounded
+from kvroute.router.edge.errors import (
+    FORBIDDEN,
+    INVALID_FIELD,
+    INVALID_JSON,
+    NOT_FOUND,
+    UNAUTHORIZED,
+    RouterError,
+    error_response,
+)
+from kvroute.router.edge.openai_request import CHAT, COMPLETIONS, RESPONSES, parse_request
+from kvroute.router.fleet.event_subscriptions import EventSubscriptions
+from kvroute.router.fleet.verify import Verifier
+from kvroute.router.fleet.workers import Worker, WorkerRegistry
+from kvroute.router.ops.decisions import DecisionLog, candidate_json
+from kvroute.router.ops.metrics import RouterMetrics
+from kvroute.router.routing.index_view import IndexView, ReuseExplanation
+from kvroute.router.routing.pipeline import Routing
+
+_MAX_ADMIN_BODY = 16 * 1024 * 1024
+
+
+class Admin:
+    def __init__(
+        self,
+        token: str | None,
+        registry: WorkerRegistry,
+        routing: Routing,
+        index: IndexView,
+        events: EventSubscriptions,
+        verifier: Verifier,
+        decisions: DecisionLog,
+        metrics: RouterMetrics,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._token = token.encode() if token else None
+        self._registry = registry
+        self._routing = routing
+        self._index = index
+        self._events = events
+        self._verifier = verifier
+        self._decisions = decisions
+        self._metrics = metrics
+        self._clock = clock
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/admin/score", self._guard(self.score), methods=["POST"]),
+            Route("/admin/workers", self._guard(self.list_workers), methods=["GET"]),
+            Route("/admin/workers", self._guard(self.add_worker), methods=["POST"]),
+            Route("/admin/workers/{name}", self._guard(self.get_worker), methods=["GET"]),
+            Route("/admin/workers/{name}", self._guard(self.remove_worker), methods=["DELETE"]),
+            Route("/admin/workers/{name}/drain", self._guard(self.drain), methods=["POST"]),
+            Route("/admin/workers/{name}/undrain", self._guard(self.undrain), methods=["POST"]),
+            Route("/admin/workers/{name}/resync", self._guard(self.resync), methods=["POST"]),
+            Route("/admin/decisions", self._guard(self.decisions), methods=["GET"]),
+        ]
+
+    def _guard(self, handler: Callable[[Request], Any]) -> Callable[[Request], Any]:
+        async def guarded(request: Request) -> Response:
+            try:
+                self._authorize(request)
+                result: Response = await handler(request)
+                return result
+            except RouterError as exc:
+                self._metrics.errors.labels(exc.kind.kind).inc()
+                return error_response(exc)
+
+        return guarded
+
+    def _authorize(self, request: Request) -> None:
+        if self._token is None:
+            raise RouterError(FORBIDDEN, "admin API disabled: set admin.token (--admin-token)")
+        header = request.headers.get("authorization", "")
+        scheme, _, given = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), self._token):
+            raise RouterError(UNAUTHORIZED, "missing or wrong admin bearer token")
+
+    async def _json(self, request: Request) -> Any:
+        raw = await read_bounded(request, _MAX_ADMIN_BODY)
+        try:
+            return msgspec.json.decode(raw)
+        except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+            raise RouterError(INVALID_JSON, f"request body is not valid JSON: {exc}") from None
+
+    # -- explain --------------------------------------------------------------------------
+    async def score(self, request: Request) -> Response:
+        """Per-worker predicted reuse, load and cost for an OpenAI body; the would-be choice."""
+        raw = await read_bounded(request, _MAX_ADMIN_BODY)
+        try:
+            probe = msgspec.json.decode(raw)
+        except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+            raise RouterError(INVALID_JSON, f"request body is not valid JSON: {exc}") from None
+        endpoint = request.query_params.get("endpoint") or _guess_endpoint(probe)
+        req = parse_request(endpoint, raw, request.scope["headers"])
+        routing = self._routing
+        route = routing.resolve_model(req)
+        prompt = await routing.prompt(req, route)
+        explained: dict[str, ReuseExplanation] = {}
+        if prompt.token_ids is not None:
+            explained = dict(
+                self._index.explain(prompt.token_ids, prompt.lora_name, prompt.cache_salt)
+            )
+        reuse = routing.reuse(prompt)
+        eligible = routing.eligible(route)
+        decision = routing.policy.decide(
+            eligible, routing.route_input(req, prompt, reuse), self._clock()
+        )
+        by_name = {c.name: c for c in decision.candidates}
+        down = self._events.unusable()
+        workers = []
+        for w in routing.registry.serving(route.name):
+            entry: dict[str, Any] = {
+                "worker": w.name,
+                "status": w.status(),
+                "eligible": w.name in by_name,
+                "events_live": w.name not in down if (w.spec.bridge or w.spec.zmq) else None,
+                "predicted_reuse": reuse.get(w.name),
+            }
+            exp = explained.get(w.name)
+            if exp is not None:
+                entry["full_attention_only_reuse"] = exp.full_attention_only()
+                entry["alignment"] = exp.alignment
+                entry["index_reason"] = exp.reason
+                entry["groups"] = [
+                    {
+                        "group_id": g.group_id,
+                        "kind": g.kind,
+                        "block_size": g.block_size,
+                        "sliding_window": g.sliding_window,
+                        "accepted_tokens": g.accepted_tokens,
+                    }
+                    for g in exp.groups
+                ]
+            c = by_name.get(w.name)
+            if c is not None:
+                entry.update(candidate_json(c))
+                entry["chosen"] = decision.chosen is c
+            workers.append(entry)
+        return JSONResponse(
+            {
+                "model": route.name,
+                "lora_name": route.lora_name,
+                "cache_salt": bool(prompt.cache_salt),
+                "endpoint": endpoint,
+                "prompt_tokens": prompt.n_tokens,
+                "token_source": prompt.source,
+                "policy": decision.policy,
+                "chosen": decision.chosen.name if decision.chosen else None,
+                "reason": decision.reason,
+                "detail": decision.detail,
+                "session": decision.session_key is not None,
+                "workers": workers,
+            }
+        )
+
+    # -- fleet ----------------------------------------------------------------------------
+    def _worker_json(self, w: Worker) -> dict[str, Any]:
+        now = self._clock()
+        m = w.load.engine
+        out: dict[str, Any] = {
+            "name": w.name,
+            "url": w.url,
+            "bridge": w.spec.bridge,
+            "zmq": w.spec.zmq,
+            "dp_rank": w.spec.dp_rank,
+            "models": sorted(w.serves()),
+            "status": w.status(),
+            "state": w.state,
+            "healthy": w.healthy,
+            "health_error": w.health_error or None,
+            "breaker": {"state": w.breaker.state, "failures": w.breaker.failures},
+            "load": {
+                "running": w.load.running,
+                "prefilling": w.load.prefilling,
+                "queued_prefill_tokens": w.load.queued_prefill_tokens,
+                "requests_total": w.load.started_total,
+                "step_period_s": w.load.steps.period,
+                "engine": None
+                if m is None
+                else {
+                    "running": m.running,
+                    "waiting": m.waiting,
+                    "kv_usage": m.kv_usage,
+                    "age_s": round(now - m.at, 3),
+                },
+            },
+        }
+        stats = self._index.stats(w.name)
+        out["index"] = (
+            None
+            if stats is None
+            else {
+                "valid": stats.valid,
+                "last_sequence": stats.last_sequence,
+                "blocks_per_group": {str(k): v for k, v in stats.blocks_per_group.items()},
+                "entries": stats.entries,
+                "pending": stats.pending,
+                "evicted": stats.evicted,
+                "resets": stats.resets,
+            }
+        )
+        status = self._events.status(w.name)
+        out["events"] = (
+            None
+            if status is None
+            else {
+                "state": status.state,
+                "for_s": round(now - status.since, 3),
+                "last_sequence": status.last_sequence,
+                "lag_s": None
+                if status.last_message_at is None
+                else round(now - status.last_message_at, 3),
+                "stream_id": status.stream_id,
+                "snapshots": status.snapshots,
+                "batches": status.batches,
+                "reconnects": status.reconnects,
+                "last_error": status.last_error or None,
+            }
+        )
+        acc = self._verifier.accuracy(w.name)
+        out["prediction"] = (
+            None
+            if acc is None
+            else {
+                "verified": acc.verified,
+                "misses": acc.misses,
+                "mean_abs_error_tokens": round(acc.mean_abs_error(), 3),
+                "last_error_tokens": acc.last_error,
+                "tokenizer_mismatches": acc.tokenizer_mismatches,
+                "resyncs": acc.resyncs,
+            }
+        )
+        return out
+
+    async def list_workers(self, request: Request) -> Response:
+        return JSONResponse({"workers": [self._worker_json(w) for w in self._registry]})
+
+    def _get(self, request: Request) -> Worker:
+        name = request.path_params["name"]
+        worker = self._registry.get(name)
+        if worker is None:
+            raise RouterError(NOT_FOUND, f"no worker named {name!r}")
+        return worker
+
+    async def get_worker(self, request: Request) -> Response:
+        return JSONResponse(self._worker_json(self._get(request)))
+
+    async def add_worker(self, request: Request) -> Response:
+        data = await self._json(request)
+        if not isinstance(data, dict):
+            raise RouterError(INVALID_FIELD, "expected a worker object")
+        try:
+            spec = worker_from_dict(data)
+        except ConfigError as exc:
+            raise RouterError(INVALID_FIELD, str(exc)) from None
+        if self._registry.get(spec.name) is not None:
+            return JSONResponse(
+                {"error": {"message": f"worker {spec.name!r} exists", "code": 409}}, 409
+            )
+        try:
+            worker = self._registry.add(spec)
+        except ValueError as exc:
+            raise RouterError(INVALID_FIELD, str(exc)) from None
+        return JSONResponse(self._worker_json(worker), 201)
+
+    async def remove_worker(self, request: Request) -> Response:
+        worker = self._get(request)
+        drain = request.query_params.get("drain", "true").lower() not in ("0", "false", "no")
+        if drain:
+            self._registry.start_drain(worker.name, remove=True)
+            removed = self._registry.get(worker.name) is None
+            return JSONResponse({"name": worker.name, "removed": removed, "draining": not removed})
+        self._registry.remove(worker.name)
+        return JSONResponse({"name": worker.name, "removed": True, "draining": False})
+
+    async def drain(self, request: Request) -> Response:
+        worker = self._get(request)
+        self._registry.start_drain(worker.name)
+        return JSONResponse(self._worker_json(worker))
+
+    async def undrain(self, request: Request) -> Response:
+        worker = self._get(request)
+        self._registry.undrain(worker.name)
+        return JSONResponse(self._worker_json(worker))
+
+    async def resync(self, request: Request) -> Response:
+        worker = self._get(request)
+        ok = self._events.resync(worker.name)
+        if ok:
+            self._metrics.resyncs.labels(worker.name, "admin").inc()
+        return JSONResponse({"name": worker.name, "resync": ok})
+
+    async def decisions(self, request: Request) -> Response:
+        q = request.query_params
+        try:
+            limit = int(q.get("limit", "50"))
+            after = int(q.get("after", "0"))
+        except ValueError:
+            raise RouterError(INVALID_FIELD, "limit and after must be integers") from None
+        with_candidates = q.get("candidates", "true").lower() not in ("0", "false", "no")
+        records = self._decisions.recent(max(0, min(limit, 10_000)), after)
+        return JSONResponse({"decisions": [r.to_json(candidates=with_candidates) for r in records]})
+
+
+def _guess_endpoint(body: object) -> str:
+    if isinstance(body, dict):
+        if "messages" in body:
+            return CHAT
+        if "prompt" in body:
+            return COMPLETIONS
+        if "input" in body:
+            return RESPONSES
+    return CHAT

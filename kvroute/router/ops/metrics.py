@@ -1,0 +1,271 @@
+"""The router's Prometheus metrics, on a registry owned by the app (no module globals).
+
+Counters and histograms are updated where things happen (kvroute.router.ops.lite_metrics: plain
+numbers
+on cached label children, turned into Prometheus families at scrape time); per-worker state
+(load, health, breaker, index statistics) is read at scrape time by `WorkerStateCollector`,
+so the request path never touches those gauges.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvroute.router.fleet.breaker import STATE_CODES
+from kvroute.router.ops.lite_metrics import LiteCounter as Counter
+from kvroute.router.ops.lite_metrics import LiteHistogram as Histogram
+
+if TYPE_CHECKING:
+    from kvroute.router.fleet.event_subscriptions import EventSubscriptions
+    from kvroute.router.fleet.workers import WorkerRegistry
+    from kvroute.router.routing.index_view import IndexView
+
+_LATENCY = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+_DECISION = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05)
+_TOKENS = (0, 16, 64, 256, 1024, 4096, 16384, 65536)
+
+
+class RouterMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "kvroute_requests",
+            "Requests answered, by endpoint and HTTP status",
+            ["endpoint", "status"],
+            registry=r,
+        )
+        self.errors = Counter(
+            "kvroute_errors", "Errors the router answered itself, by kind", ["kind"], registry=r
+        )
+        self.upstream = Counter(
+            "kvroute_upstream_responses",
+            "Upstream attempts by worker and outcome (2xx..5xx, connect, timeout)",
+            ["worker", "outcome"],
+            registry=r,
+        )
+        self.decisions = Counter(
+            "kvroute_routing_decisions",
+            "Routing decisions by policy and reason",
+            ["policy", "reason"],
+            registry=r,
+        )
+        self.decision_seconds = Histogram(
+            "kvroute_routing_decision_seconds",
+            "Time from token ids to chosen worker (index scoring + policy)",
+            buckets=_DECISION,
+            registry=r,
+        )
+        self.sent_as_ids = Counter(
+            "kvroute_chat_sent_as_token_ids",
+            "Chat requests for a model with send_token_ids, by whether they went to the engine "
+            "as completions of token ids (yes) or kept the chat endpoint (not_plain: fields "
+            "only a chat request has; no_exact_ids: no exact token ids)",
+            ["result"],
+            registry=r,
+        )
+        self.token_source = Counter(
+            "kvroute_prompt_ids",
+            "Requests by where their token ids came from (none = routed without ids)",
+            ["source"],
+            registry=r,
+        )
+        self.retries = Counter(
+            "kvroute_retries", "Retries to another worker, by cause", ["cause"], registry=r
+        )
+        self.retry_budget_exhausted = Counter(
+            "kvroute_retry_budget_exhausted", "Retries refused by the retry budget", registry=r
+        )
+        self.breaker_transitions = Counter(
+            "kvroute_breaker_transitions",
+            "Circuit breaker state changes",
+            ["worker", "to"],
+            registry=r,
+        )
+        self.health_checks = Counter(
+            "kvroute_health_checks", "Active health checks", ["worker", "result"], registry=r
+        )
+        self.ttfb = Histogram(
+            "kvroute_upstream_first_byte_seconds",
+            "Time from dispatch to the first upstream body byte",
+            ["worker"],
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.duration = Histogram(
+            "kvroute_request_duration_seconds",
+            "Whole request time in the router",
+            ["endpoint"],
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.disconnects = Counter(
+            "kvroute_client_disconnects", "Clients that went away mid-request", registry=r
+        )
+        self.usage_injected = Counter(
+            "kvroute_stream_usage_requested",
+            "Streams where the router asked for usage and hid it from the client",
+            registry=r,
+        )
+        # verification
+        self.predicted_tokens = Counter(
+            "kvroute_predicted_cached_tokens",
+            "Sum of predicted reusable tokens of verified responses",
+            ["worker"],
+            registry=r,
+        )
+        self.reported_tokens = Counter(
+            "kvroute_reported_cached_tokens",
+            "Sum of cached_tokens the engines reported",
+            ["worker"],
+            registry=r,
+        )
+        self.prediction_outcomes = Counter(
+            "kvroute_prediction_outcomes",
+            "Verified predictions: exact, over (predicted more), under, tokenizer_mismatch",
+            ["worker", "outcome"],
+            registry=r,
+        )
+        self.prediction_error = Histogram(
+            "kvroute_prediction_error_tokens",
+            "Absolute difference between predicted and reported cached tokens",
+            ["worker"],
+            buckets=_TOKENS,
+            registry=r,
+        )
+        self.resyncs = Counter(
+            "kvroute_index_resyncs",
+            "Worker views discarded and resynchronised",
+            ["worker", "cause"],
+            registry=r,
+        )
+        # events
+        self.event_batches = Counter(
+            "kvroute_event_batches", "KV event batches applied", ["worker"], registry=r
+        )
+        self.event_snapshots = Counter(
+            "kvroute_event_snapshots", "Snapshots applied", ["worker", "reason"], registry=r
+        )
+        self.event_stream_lost = Counter(
+            "kvroute_event_stream_lost",
+            "Event streams lost (view invalidated until back)",
+            ["worker"],
+            registry=r,
+        )
+        self.event_bad_messages = Counter(
+            "kvroute_event_bad_messages",
+            "Undecodable messages from a bridge (the stream is dropped and resubscribed)",
+            ["worker"],
+            registry=r,
+        )
+        self.event_apply_seconds = Histogram(
+            "kvroute_event_apply_seconds",
+            "Time to apply one batch or snapshot to the index (on the event loop)",
+            buckets=_DECISION,
+            registry=r,
+        )
+        self.bad_input_logged = Counter(
+            "kvroute_log_suppressed", "Log lines suppressed by rate limiting", registry=r
+        )
+
+    @staticmethod
+    def child(metric: Any, *values: str) -> Any:
+        """`metric.labels(*values)` (children are cached by the metric itself)."""
+        return metric.labels(*values)
+
+    def attach_state(
+        self,
+        registry: WorkerRegistry,
+        index: IndexView | None,
+        events: EventSubscriptions | None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.registry.register(WorkerStateCollector(registry, index, events, clock))
+
+
+class ScalarGauge(Collector):
+    """One unlabelled gauge (or, with `counter`, a counter) whose value is read at scrape time."""
+
+    def __init__(
+        self, name: str, doc: str, value: Callable[[], float], *, counter: bool = False
+    ) -> None:
+        self._name = name
+        self._doc = doc
+        self._value = value
+        self._family = CounterMetricFamily if counter else GaugeMetricFamily
+
+    def collect(self) -> Iterator[Metric]:
+        yield self._family(self._name, self._doc, value=self._value())
+
+
+class WorkerStateCollector(Collector):
+    """Per-worker gauges computed at scrape time."""
+
+    def __init__(
+        self,
+        workers: WorkerRegistry,
+        index: IndexView | None,
+        events: EventSubscriptions | None,
+        clock: Callable[[], float],
+    ) -> None:
+        self._workers = workers
+        self._index = index
+        self._events = events
+        self._clock = clock
+
+    def collect(self) -> Iterator[Metric]:
+        now = self._clock()
+
+        def fam(name: str, doc: str) -> GaugeMetricFamily:
+            return GaugeMetricFamily(name, doc, labels=["worker"])
+
+        running = fam("kvroute_worker_running", "Requests this process has in flight")
+        queued = fam("kvroute_worker_queued_prefill_tokens", "Own prefill tokens not yet served")
+        eng_running = fam("kvroute_worker_engine_running", "vllm:num_requests_running (scraped)")
+        eng_waiting = fam("kvroute_worker_engine_waiting", "vllm:num_requests_waiting (scraped)")
+        kv = fam("kvroute_worker_kv_usage", "vllm:kv_cache_usage_perc (scraped)")
+        healthy = fam("kvroute_worker_healthy", "1 healthy, 0 unhealthy, -1 unknown")
+        breaker = fam("kvroute_worker_breaker_state", "0 closed, 1 half-open, 2 open")
+        draining = fam("kvroute_worker_draining", "1 when the worker is draining")
+        valid = fam("kvroute_worker_index_valid", "1 when the worker's view is usable")
+        entries = fam("kvroute_worker_index_entries", "Index entries held for the worker")
+        live = fam("kvroute_worker_events_live", "1 when the event stream is live")
+        lag = fam("kvroute_worker_events_age_seconds", "Seconds since the last event message")
+        step = fam(
+            "kvroute_worker_step_period_seconds",
+            "Engine step period learned from relayed stream chunks (median of recent gaps)",
+        )
+        for w in self._workers:
+            name = [w.name]
+            running.add_metric(name, w.load.running)
+            queued.add_metric(name, w.load.queued_prefill_tokens)
+            m = w.load.engine
+            if m is not None:
+                eng_running.add_metric(name, m.running)
+                eng_waiting.add_metric(name, m.waiting)
+                if m.kv_usage is not None:
+                    kv.add_metric(name, m.kv_usage)
+            if w.load.steps.period is not None:
+                step.add_metric(name, w.load.steps.period)
+            healthy.add_metric(name, -1 if w.healthy is None else int(w.healthy))
+            breaker.add_metric(name, STATE_CODES[w.breaker.state])
+            draining.add_metric(name, int(w.state == "draining"))
+            if self._index is not None:
+                stats = self._index.stats(w.name)
+                if stats is not None:
+                    valid.add_metric(name, int(stats.valid))
+                    entries.add_metric(name, stats.entries)
+            if self._events is not None:
+                status = self._events.status(w.name)
+                if status is not None:
+                    live.add_metric(name, int(status.state == "live"))
+                    if status.last_message_at is not None:
+                        lag.add_metric(name, max(0.0, now - status.last_message_at))
+        yield from (running, queued, eng_running, eng_waiting, kv, healthy, breaker, draining)
+        yield from (valid, entries, live, lag, step)

@@ -1,0 +1,143 @@
+"""`IndexView` over the indexer's `FleetIndex`: namespaces, the clock for expectations, and
+statistics in the router's records. The indexer itself stays pure (no clock); this adapter
+owns time: expectations get an absolute expiry and are expired lazily on scoring."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+
+from kvroute.indexer import FleetIndex, Namespace, content_keys
+from kvroute.proto import events_pb2
+from kvroute.router.routing.index_view import GroupReuse, IndexStats, ReuseExplanation
+
+_EXPIRE_EVERY_S = 0.1
+_DEFAULT_NS = Namespace()
+
+
+def _ns(lora_name: str, cache_salt: str) -> Namespace:
+    if not lora_name and not cache_salt:
+        return _DEFAULT_NS
+    return Namespace(lora_name=lora_name, cache_salt=cache_salt)
+
+
+class FleetIndexView:
+    def __init__(
+        self,
+        hash_unit: int = 16,
+        *,
+        max_entries_per_worker: int = 2_000_000,
+        max_pending_per_worker: int = 100_000,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.index = FleetIndex(
+            hash_unit,
+            max_entries_per_worker=max_entries_per_worker,
+            max_pending_per_worker=max_pending_per_worker,
+        )
+        self._clock = clock
+        self._last_expire = float("-inf")
+
+    def _expire(self) -> None:
+        now = self._clock()
+        if now - self._last_expire >= _EXPIRE_EVERY_S:
+            self._last_expire = now
+            self.index.expire(now)
+
+    def prompt_keys(
+        self, token_ids: Sequence[int], lora_name: str = "", cache_salt: str = ""
+    ) -> Sequence[int]:
+        return content_keys(token_ids, _ns(lora_name, cache_salt), self.index.hash_unit)
+
+    def score(
+        self,
+        token_ids: Sequence[int],
+        lora_name: str = "",
+        cache_salt: str = "",
+        keys: Sequence[int] | None = None,
+    ) -> Mapping[str, int | None]:
+        self._expire()
+        if keys is None:
+            keys = self.prompt_keys(token_ids, lora_name, cache_salt)
+        return self.index.score_keys(keys, len(token_ids))
+
+    def explain(
+        self,
+        token_ids: Sequence[int],
+        lora_name: str = "",
+        cache_salt: str = "",
+        keys: Sequence[int] | None = None,
+    ) -> Mapping[str, ReuseExplanation]:
+        self._expire()
+        if keys is None:
+            keys = self.prompt_keys(token_ids, lora_name, cache_salt)
+        out: dict[str, ReuseExplanation] = {}
+        for worker, ws in self.index.explain_keys(keys, len(token_ids)).items():
+            groups = [
+                GroupReuse(g.group_id, g.kind, g.block_size, g.sliding_window, g.accepted_tokens)
+                for g in ws.groups
+            ]
+            out[worker] = ReuseExplanation(
+                ws.reusable_tokens, groups, ws.alignment, ws.reason, ws.expected_tokens
+            )
+        return out
+
+    def reach(
+        self,
+        token_ids: Sequence[int],
+        lora_name: str = "",
+        cache_salt: str = "",
+        keys: Sequence[int] | None = None,
+    ) -> tuple[Mapping[str, int | None], Mapping[str, int]]:
+        self._expire()
+        if keys is None:
+            keys = self.prompt_keys(token_ids, lora_name, cache_salt)
+        return self.index.reach_keys(keys, len(token_ids))
+
+    def expect(
+        self,
+        worker: str,
+        token_ids: Sequence[int],
+        lora_name: str,
+        cache_salt: str,
+        ttl_s: float,
+        keys: Sequence[int] | None = None,
+        junction: int = 0,
+    ) -> None:
+        if keys is None:
+            keys = self.prompt_keys(token_ids, lora_name, cache_salt)
+        self.index.expect_keys(worker, keys, len(token_ids), self._clock() + ttl_s, junction)
+
+    def apply(self, worker: str, batch: events_pb2.KvEventBatch) -> None:
+        self.index.apply(worker, batch)
+
+    def apply_snapshot(self, worker: str, snapshot: events_pb2.Snapshot) -> None:
+        self.index.apply_snapshot(worker, snapshot)
+
+    def apply_snapshot_steps(
+        self, worker: str, snapshot: events_pb2.Snapshot, blocks_per_step: int
+    ) -> Iterator[None]:
+        return self.index.apply_snapshot_steps(worker, snapshot, blocks_per_step)
+
+    def invalidate(self, worker: str) -> None:
+        self.index.invalidate(worker)
+
+    def remove_worker(self, worker: str) -> None:
+        self.index.remove_worker(worker)
+
+    def set_alignment(self, worker: str, alignment: int | None) -> None:
+        self.index.set_alignment(worker, alignment)
+
+    def stats(self, worker: str) -> IndexStats | None:
+        if worker not in self.index.workers():
+            return None
+        s = self.index.stats(worker)
+        return IndexStats(
+            s.valid,
+            s.last_sequence,
+            dict(s.blocks_per_group),
+            s.entries,
+            s.pending,
+            s.evicted,
+            s.resets,
+        )

@@ -1,0 +1,362 @@
+"""From a parsed request to a routing decision: token ids, predicted reuse, policy.
+
+`Routing` owns the steps between the edge and the proxy: resolve the model, get exact token
+ids, score every worker once, let the policy choose among the eligible ones, record the
+decision, and after a successful dispatch record the prompt as an expectation on the chosen
+worker.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from kvroute.ratelog import RateLimitedLog
+from kvroute.router.config import ModelSpec, PolicyConfig
+from kvroute.router.edge.errors import NO_WORKER, TOKENIZE, UNKNOWN_MODEL, RouterError
+from kvroute.router.edge.openai_request import CHAT, ClientRequest, skips_prefix_cache
+from kvroute.router.fleet.workers import ModelRoute, Worker, WorkerRegistry
+from kvroute.router.ops.metrics import RouterMetrics
+from kvroute.router.routing.index_view import IndexView
+from kvroute.router.routing.policy import (
+    Decision,
+    FullAttentionOnlyPolicy,
+    Policy,
+    RouteInput,
+    session_key,
+    uses_cache,
+)
+from kvroute.router.routing.prefix_sharing import PrefixSharing
+
+log = logging.getLogger("kvroute.router.routing")
+
+_EMPTY: Mapping[str, int | None] = {}
+BYTES_PER_TOKEN_ESTIMATE = 4
+
+
+class PendingLike(Protocol):
+    @property
+    def estimated_tokens(self) -> int: ...
+
+
+class TokenizedLike(Protocol):
+    @property
+    def token_ids(self) -> Sequence[int]: ...
+    @property
+    def source(self) -> str: ...
+    @property
+    def pending(self) -> PendingLike | None: ...
+
+
+class TokenizerLike(Protocol):
+    async def token_ids(
+        self,
+        model: str,
+        endpoint: str,
+        body: dict[str, Any],
+        worker_url_for_render: str | Callable[[], str | None] | None,
+        *,
+        partial_min_chars: int = 0,
+    ) -> TokenizedLike | None: ...
+
+    async def finish(self, partial: Any) -> TokenizedLike | None: ...
+
+    def remember_answer(
+        self, model: str, body: Mapping[str, Any], answer_of: Callable[[], str | None]
+    ) -> bool: ...
+
+
+@dataclass(slots=True)
+class Prompt:
+    """A request's prompt as the router knows it."""
+
+    token_ids: Sequence[int] | None  # a partial prompt's may be the tokenizer cache's array
+    source: str  # local | render | request | none
+    n_tokens: int  # exact when token_ids is set, else estimated from the body size
+    lora_name: str
+    cache_salt: str
+    cacheable: bool = True  # False: vLLM will not read the prefix cache for it
+    keys: Sequence[int] | None = None  # the index's keys for it, computed once (`Routing.keys`)
+    # full-attention coverage of hybrid workers, found while scoring (`Routing.reuse`)
+    coverage: Mapping[str, int] | None = None
+    # set while token_ids are only the prompt's start (`Routing.complete` encodes the rest);
+    # n_tokens is then an estimate
+    partial: TokenizedLike | None = None
+
+
+class Routing:
+    def __init__(
+        self,
+        registry: WorkerRegistry,
+        index: IndexView,
+        policy: Policy,
+        cfg: PolicyConfig,
+        models: Mapping[str, ModelSpec],
+        tokenizers: TokenizerLike,
+        metrics: RouterMetrics,
+        unusable: Callable[[], Collection[str]] = frozenset,
+        clock: Callable[[], float] = time.monotonic,
+        retry_after_s: int = 1,
+        partial_min_chars: int = 0,
+    ) -> None:
+        self._retry_after = retry_after_s
+        self._partial_min_chars = partial_min_chars
+        self._ratelog = RateLimitedLog(log, interval_s=10.0)
+        self.registry = registry
+        self.index = index
+        self.policy = policy
+        self.cfg = cfg
+        self._models = models
+        self._tokenizers = tokenizers
+        self._metrics = metrics
+        self._unusable = unusable
+        self._clock = clock
+        self._fa_only = isinstance(policy, FullAttentionOnlyPolicy)
+        self._decision_hist = metrics.decision_seconds
+        self._decision_count = metrics.decisions
+        # who asked for which prefix, for the junction credit (only the TTFT policy uses it)
+        self._sharing = (
+            PrefixSharing(cfg.hash_unit, cfg.sharing_max_keys)
+            if cfg.junction_shared_only and cfg.affinity_weight > 0 and uses_cache(policy)
+            else None
+        )
+
+    @property
+    def remembered_prompt_keys(self) -> int:
+        """How many prompt keys the router remembers for the junction credit (0 when off)."""
+        return 0 if self._sharing is None else len(self._sharing)
+
+    @property
+    def forgotten_prompt_keys(self) -> int:
+        """How many remembered prompt keys were forgotten at `policy.sharing_max_keys`."""
+        return 0 if self._sharing is None else self._sharing.forgotten
+
+    def resolve_model(self, req: ClientRequest) -> ModelRoute:
+        """The request's model; a missing model is fine when the fleet serves exactly one."""
+        name = req.model
+        if name is None:
+            cards = self.registry.model_cards()
+            if len(cards) != 1:
+                raise RouterError(
+                    UNKNOWN_MODEL, "'model' is required: the fleet serves several models"
+                )
+            name = str(cards[0]["id"])
+        route = self.registry.route(name)
+        if route is None and name in self._models:
+            # a configured model nobody serves right now: the fleet is down, not the name wrong
+            raise RouterError(
+                NO_WORKER,
+                f"no worker serves model `{name}` right now",
+                retry_after=self._retry_after,
+            )
+        if route is None:
+            raise RouterError(
+                UNKNOWN_MODEL,
+                f"The model `{name}` does not exist.",
+                param="model",
+                code="model_not_found",
+            )
+        return route
+
+    def eligible(self, route: ModelRoute, exclude: Collection[str] = ()) -> list[Worker]:
+        now = self._clock()
+        return [
+            w
+            for w in self.registry.serving(route.name)
+            if w.takes_requests(now) and w.name not in exclude
+        ]
+
+    def sends_token_ids(self, route: ModelRoute) -> bool:
+        """Whether the model's chat requests go to the engine as completions of token ids."""
+        spec = self._models.get(route.base)
+        return spec is not None and spec.send_token_ids
+
+    def any_eligible(self, route: ModelRoute) -> bool:
+        now = self._clock()
+        return any(w.takes_requests(now) for w in self.registry.serving(route.name))
+
+    async def prompt(self, req: ClientRequest, route: ModelRoute, partial: bool = False) -> Prompt:
+        """Exact token ids when the model's tokenizer can give them; TokenizeError -> 400.
+
+        `partial`: the caller will `complete` the prompt once the request is on its way, so
+        a long new turn may be left unencoded (`Prompt.partial`) and the decision made on the
+        conversation's cached start."""
+        try:
+            got = await self._tokenizers.token_ids(
+                route.base,
+                req.endpoint,
+                req.body,
+                lambda: self._render_worker(route),
+                partial_min_chars=self._partial_min_chars if partial else 0,
+            )
+        except ValueError as exc:  # kvroute.router.tokenize.TokenizeError subclasses ValueError
+            raise RouterError(TOKENIZE, str(exc), param=getattr(exc, "param", None)) from None
+        if got is None:
+            self._metrics.child(self._metrics.token_source, "none").inc()
+            estimate = max(1, len(req.raw) // BYTES_PER_TOKEN_ESTIMATE)
+            return Prompt(None, "none", estimate, route.lora_name, req.cache_salt)
+        self._metrics.child(self._metrics.token_source, got.source).inc()
+        ids = got.token_ids
+        cacheable = not skips_prefix_cache(req)
+        pending = got.pending
+        if pending is not None:
+            n = pending.estimated_tokens
+            return Prompt(
+                ids, got.source, n, route.lora_name, req.cache_salt, cacheable, partial=got
+            )
+        return Prompt(ids, got.source, len(ids), route.lora_name, req.cache_salt, cacheable)
+
+    async def complete(self, prompt: Prompt) -> bool:
+        """Encode the rest of a partial prompt: True when its ids are now whole (the start's
+        keys and coverage are dropped, so `reuse` scores the whole prompt). A rest that fails
+        drops the ids altogether (the start alone would mislead an expectation) and returns
+        False."""
+        if prompt.partial is None:
+            return True
+        whole = await self._tokenizers.finish(prompt.partial)
+        prompt.partial = prompt.keys = prompt.coverage = None
+        if whole is None:
+            prompt.token_ids = None
+            return False
+        prompt.token_ids = whole.token_ids
+        prompt.n_tokens = len(whole.token_ids)
+        return True
+
+    def answer_model(self, req: ClientRequest, route: ModelRoute, prompt: Prompt) -> str | None:
+        """The tokenizer model whose prefix cache can use this request's answer for the
+        conversation's next turn: chat prompts it tokenized itself and vLLM caches."""
+        if req.endpoint != CHAT or prompt.source != "local" or not prompt.cacheable:
+            return None
+        return route.base
+
+    def remember_answer(
+        self, model: str, body: Mapping[str, Any], answer_of: Callable[[], str | None]
+    ) -> bool:
+        """Have `model`'s tokenizer encode the conversation with its answer (`answer_of()`,
+        read in the background) for the next turn; see `Tokenizers.remember_answer`."""
+        return self._tokenizers.remember_answer(model, body, answer_of)
+
+    def _render_worker(self, route: ModelRoute) -> str | None:
+        workers = self.eligible(route)
+        if not workers:
+            return None
+        return min(workers, key=lambda w: w.load.running).url
+
+    def keys(self, prompt: Prompt) -> Sequence[int] | None:
+        """The prompt's index keys, hashed on first use and kept on the prompt."""
+        if prompt.keys is None and prompt.token_ids is not None:
+            prompt.keys = self.index.prompt_keys(
+                prompt.token_ids, prompt.lora_name, prompt.cache_salt
+            )
+        return prompt.keys
+
+    def reuse(self, prompt: Prompt) -> Mapping[str, int | None]:
+        """Predicted reuse per worker; streams that are down count as no evidence."""
+        if prompt.token_ids is None:
+            return _EMPTY
+        if not prompt.cacheable:
+            return dict.fromkeys(self.registry.names(), 0)  # vLLM will reuse nothing
+        ids, lora, salt = prompt.token_ids, prompt.lora_name, prompt.cache_salt
+        try:
+            keys = self.keys(prompt)
+            if self._fa_only:
+                scores: Mapping[str, int | None] = {
+                    name: exp.full_attention_only()
+                    for name, exp in self.index.explain(ids, lora, salt, keys).items()
+                }
+            else:
+                scores, coverage = self.index.reach(ids, lora, salt, keys)
+                prompt.coverage = coverage
+        except Exception as exc:  # an index bug must not fail requests: route without evidence
+            self._ratelog.error("score", "index scoring failed, routing without it: %r", exc)
+            self._metrics.child(self._metrics.errors, "index").inc()
+            return _EMPTY
+        down = self._unusable()
+        if down:
+            scores = {name: (None if name in down else v) for name, v in scores.items()}
+            if prompt.coverage:
+                prompt.coverage = {n: v for n, v in prompt.coverage.items() if n not in down}
+        return scores
+
+    def decide(
+        self,
+        req: ClientRequest,
+        route: ModelRoute,
+        prompt: Prompt,
+        reuse: Mapping[str, int | None],
+        exclude: Collection[str] = (),
+    ) -> Decision:
+        """Choose among eligible workers; raises 503 when there are none."""
+        started = time.perf_counter()
+        workers = self.eligible(route, exclude)
+        decision = self.policy.decide(workers, self.route_input(req, prompt, reuse), self._clock())
+        self._decision_hist.observe(time.perf_counter() - started)
+        self._metrics.child(self._decision_count, decision.policy, decision.reason).inc()
+        if decision.chosen is None:
+            raise RouterError(
+                NO_WORKER,
+                f"no healthy worker can serve model `{route.name}` right now",
+                retry_after=self._retry_after,
+            )
+        # Only prompts with hybrid coverage: a dense fleet (or the full-attention-only index)
+        # never uses the answer, and a block nobody noted is credited anyway.
+        if self._sharing is not None and prompt.coverage:
+            keys = self.keys(prompt)
+            if keys is not None:
+                try:
+                    self._sharing.note(keys, _owner(decision.session_key))
+                except Exception as exc:  # a bookkeeping bug must not fail a routed request
+                    self._sharing_failed(exc)
+        return decision
+
+    def route_input(
+        self, req: ClientRequest, prompt: Prompt, reuse: Mapping[str, int | None]
+    ) -> RouteInput:
+        """What the policy sees of this request (the proxy and /admin/score alike)."""
+        key = session_key(req.header_map, req.body, self.cfg)
+        own_from = None
+        if self._sharing is not None and prompt.coverage:
+            keys = self.keys(prompt)
+            if keys is not None:
+                try:
+                    own_from = self._sharing.own_from(keys, _owner(key))
+                except Exception as exc:  # route as if the prompt were nobody's history
+                    self._sharing_failed(exc)
+        return RouteInput(prompt.n_tokens, reuse, key, prompt.coverage, own_from)
+
+    def _sharing_failed(self, exc: Exception) -> None:
+        self._ratelog.error("sharing", "prefix sharing bookkeeping failed: %r", exc)
+        self._metrics.child(self._metrics.errors, "sharing").inc()
+
+    def expect(self, worker: Worker, prompt: Prompt) -> None:
+        """Credit the chosen worker with this prompt until its events arrive (or expiry).
+        Not for a partial prompt: on hybrid workers an expectation credits state at the
+        prompt's end, which the start's end is not."""
+        if (
+            prompt.token_ids is not None
+            and prompt.partial is None
+            and prompt.cacheable
+            and self.cfg.expect_seconds > 0
+        ):
+            try:
+                self.index.expect(
+                    worker.name,
+                    prompt.token_ids,
+                    prompt.lora_name,
+                    prompt.cache_salt,
+                    self.cfg.expect_seconds,
+                    self.keys(prompt),
+                    # vLLM saves sparse state where full attention held the prompt (a junction)
+                    (prompt.coverage or _EMPTY).get(worker.name) or 0,
+                )
+            except Exception as exc:
+                self._ratelog.error("expect", "index expectation failed: %r", exc)
+                self._metrics.child(self._metrics.errors, "index").inc()
+
+
+def _owner(session: str | None) -> object:
+    """Who asks for a prompt: its session, or (without a session key) the request alone."""
+    return session if session is not None else object()

@@ -1,0 +1,118 @@
+"""The options that describe one simulated engine, shared by `kvroute sim` and `kvroute sim
+fleet`."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from collections.abc import Callable
+from typing import cast
+
+from kvroute.sim.cache_api import CacheBackend, CacheSpec, missing_methods
+from kvroute.sim.engine.core import EngineConfig
+from kvroute.sim.profiles import PROFILES
+
+
+def _retention(value: str) -> int | None:
+    if value.lower() in ("none", "dense"):
+        return None
+    return int(value)
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Options shared by `kvroute sim` and `kvroute sim fleet` (passed on to each engine)."""
+    p.add_argument("--model", default="kvroute-sim", help="served model name")
+    p.add_argument(
+        "--lora", action="append", default=[], metavar="NAME", help="a LoRA adapter name"
+    )
+    p.add_argument(
+        "--model-profile",
+        "--profile",
+        dest="profile",
+        default="dense",
+        choices=sorted(PROFILES),
+        help="KV cache layout (see kvroute/sim/profiles.py)",
+    )
+    p.add_argument("--sliding-window", type=int, help="override the profile's window")
+    p.add_argument("--num-blocks", type=int, default=4096, help="KV cache blocks (pool size)")
+    p.add_argument("--max-model-len", type=int, default=8192)
+    p.add_argument("--max-num-seqs", type=int, default=256, help="batch limit")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget/step")
+    p.add_argument(
+        "--retention",
+        type=_retention,
+        default=0,
+        help="prefix-cache retention interval: 0 (vLLM default), none (dense), N",
+    )
+    p.add_argument("--speed", type=float, default=1.0, help="run F times faster than an H100")
+    p.add_argument("--seed", type=int, default=0, help="generation seed")
+    p.add_argument(
+        "--wire-version", default="0.33", help="vLLM event wire version (0.23/0.26/0.33)"
+    )
+    p.add_argument("--topic", default="", help="ZMQ topic")
+    p.add_argument("--no-events", action="store_true", help="do not publish KV events")
+    p.add_argument("--no-replay", action="store_true", help="no replay ROUTER socket")
+    p.add_argument(
+        "--cache-backend",
+        choices=("sim", "vllm"),
+        default="sim",
+        help="sim: kvroute's reimplementation; vllm: vLLM's real KVCacheManager "
+        "(kvroute.sim.vllm_backend, only where vLLM is installed)",
+    )
+    p.add_argument("--log-level", default="warning")
+
+
+def cache_factory(name: str) -> Callable[[CacheSpec], CacheBackend]:
+    """The cache backend class for --cache-backend (ImportError if vLLM is missing)."""
+    if name == "vllm":
+        cls = importlib.import_module("kvroute.sim.vllm_backend").VllmCacheBackend
+        missing = missing_methods(cls)
+        if missing:
+            raise ImportError(
+                f"kvroute.sim.vllm_backend.VllmCacheBackend lacks {', '.join(missing)} "
+                "(see kvroute/sim/cache_api.py)"
+            )
+        return cast(Callable[[CacheSpec], CacheBackend], cls)
+    from kvroute.sim.cache import SimCache
+
+    return SimCache
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine settings the options describe."""
+    return EngineConfig(
+        model=args.model,
+        lora_adapters=tuple(args.lora),
+        profile=args.profile,
+        sliding_window=args.sliding_window,
+        num_blocks=args.num_blocks,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        retention_interval=args.retention,
+        speed=args.speed,
+        seed=args.seed,
+    )
+
+
+def engine_argv(args: argparse.Namespace) -> list[str]:
+    """The `kvroute sim` options that reproduce these engine settings (for the fleet)."""
+    out = [
+        "--model", args.model, "--model-profile", args.profile,
+        "--num-blocks", str(args.num_blocks), "--max-model-len", str(args.max_model_len),
+        "--max-num-seqs", str(args.max_num_seqs),
+        "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+        "--retention", "none" if args.retention is None else str(args.retention),
+        "--speed", str(args.speed), "--seed", str(args.seed),
+        "--wire-version", args.wire_version, "--topic", args.topic, "--log-level", args.log_level,
+        "--cache-backend", args.cache_backend,
+    ]  # fmt: skip
+    for name in args.lora:
+        out += ["--lora", name]
+    if args.sliding_window is not None:
+        out += ["--sliding-window", str(args.sliding_window)]
+    if args.no_events:
+        out.append("--no-events")
+    if args.no_replay:
+        out.append("--no-replay")
+    return out

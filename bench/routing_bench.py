@@ -418,14 +418,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="router (default, with --router-cpus): only kvroute's runs have bridges (no other "
         "router reads them), on --router-cpus with the router, so the engines' CPU does the "
         "same work under every router; fleet (always without --router-cpus): every run's fleet "
-        "has bridges, beside the engines (before stop 16; bench/results/bridge_placement_345)",
+        "has bridges, beside the engines (the earlier placement; "
+        "bench/results/2026-12-03-bridge-placement-seeds-345)",
     )
     p.add_argument(
         "--bridge-sched",
         choices=("idle", "nice"),
         default="idle",
         help="with --bridges router: kvroute's bridges beside the router in Linux's SCHED_IDLE "
-        "class (default since stop 17; bench/results/bridge_sched_ab) or at the bridge's "
+        "class (the default; bench/results/2026-12-03-bridge-sched-ab) or at the bridge's "
         "default niceness 10",
     )
     p.add_argument("--out-dir", default=str(RESULTS))

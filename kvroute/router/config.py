@@ -105,8 +105,9 @@ class PolicyConfig:
         "home is charged tokens_per_running like any worker, so a prefix only one worker "
         "holds (a tenant's system prompt) does not draw every new conversation onto it "
         "(0 = always discounted; benchmark, against 0, three seeds each: sliding window p50 "
-        "-4.0 ms and 2 points more cached, bench/results/stop23; dense p50 -2.9 ms, Mamba "
-        "level, bench/results/stop24)",
+        "-4.0 ms and 2 points more cached, bench/results/2026-12-04-routing-cold-off-busy-hash; "
+        "dense p50 -2.9 ms, Mamba "
+        "level, bench/results/2026-12-04-routing-crowded-home-bound)",
     )
     full_queue_without_reuse: bool = _f(
         True,
@@ -114,7 +115,7 @@ class PolicyConfig:
         "(queue_weight is there to keep a request with its cache; a cold request gains nothing "
         "by waiting, and two cold re-prefills would otherwise stack on one busy worker for the "
         "junction credit); Mamba benchmark, six seeds: p99 -114 ms (lower in 5 of 6 seeds), "
-        "p50 +2.4 ms, both within noise (bench/results/cold_queue_ab)",
+        "p50 +2.4 ms, both within noise (bench/results/2026-12-03-cold-queue-ab)",
     )
     step_wait_weight: float = _f(
         0.0,
@@ -122,7 +123,7 @@ class PolicyConfig:
         "schedules a new request's prefill when the running step ends; each worker's step "
         "period and phase are learned from the stream chunks the router relays); off by "
         "default: on the routing benchmark (three seeds) it measured no better than 0 (see "
-        "bench/results/step_wait_ab)",
+        "bench/results/2026-12-02-step-wait-ab)",
     )
     saturation_queue_s: float = _f(
         2.0, "a worker whose queued prefill exceeds this many seconds is saturated"
@@ -142,7 +143,8 @@ class PolicyConfig:
         "its full-attention blocks hold beyond its reuse (vLLM saves sliding-window/Mamba state "
         "at that junction when it serves the request there, so later requests sharing the "
         "prefix reuse it); 0 = greedy on reuse now. 1.5 keeps a hot-prefix burst on its "
-        "document's worker (bench/results/stop25, sliding window: 1.5 with "
+        "document's worker (bench/results/2026-12-04-routing-junction-shared-prefixes, "
+        "sliding window: 1.5 with "
         "junction_shared_only against 0.5 for any covered prefix, cached tokens 76.2% "
         "against 73.0%, p50/p99 level)",
     )
@@ -250,7 +252,7 @@ class LoadConfig:
         "policy.prefill_tokens_per_s does not look idle while it is still prefilling "
         "(benchmark, fleet 3.5x slower than configured: sliding window p50 -2.4 ms, p99 "
         "-197 ms within noise, 96.6% of the oracle's cached tokens instead of 94.6%; Mamba "
-        "p99 -236 ms; dense level; bench/results/stop23)",
+        "p99 -236 ms; dense level; bench/results/2026-12-04-routing-cold-off-busy-hash)",
     )
 
 

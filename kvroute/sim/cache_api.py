@@ -2,7 +2,8 @@
 
 Two backends implement it: `kvroute.sim.cache.SimCache` (kvroute's reimplementation of vLLM's cache
 decisions) and `kvroute.sim.vllm_backend.VllmCacheBackend` (vLLM's real `KVCacheManager`, only
-inside the vLLM environment). The contract is this module's `CacheBackend`; this module has no vLLM import so both environments can load it.
+inside the vLLM environment). The contract is this module's `CacheBackend`; this module has no
+vLLM import so both environments can load it.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """What discovery tells the router about one worker, and the one decoder for it.
 
-`parse_worker` accepts exactly the `workers:` entries of the router config (`docs/configuration.md`), so a static list, a watched file and the admin API all
-decode workers the same way.
+`parse_worker` accepts exactly the `workers:` entries of the router config
+(`docs/configuration.md`), so a static list, a watched file and the admin API
+all decode workers the same way.
 """
 
 from __future__ import annotations

@@ -84,6 +84,9 @@ class Policy:
     def pick(self, cands: list[Candidate], req: RouteInput) -> tuple[Candidate, str, str]:
         raise NotImplementedError
 
+    def forget_worker(self, name: str) -> None:
+        """A worker left the fleet: drop whatever the policy keeps about it (default: none)."""
+
 
 class _Rotation:
     """A counter that spreads ties and cold requests across equal workers."""
@@ -144,6 +147,9 @@ class TTFTPolicy(Policy):
         self.cfg = cfg
         self.session = SessionPicker(cfg)
         self.rotation = _Rotation()
+
+    def forget_worker(self, name: str) -> None:
+        self.session.forget(name)
 
     def pick(self, cands: list[Candidate], req: RouteInput) -> tuple[Candidate, str, str]:
         best_reuse = max((c.reuse or 0 for c in cands), default=0)
@@ -252,6 +258,9 @@ class SessionPolicy(Policy):
         super().__init__(load_model)
         self.session = SessionPicker(cfg)
         self.rotation = _Rotation()
+
+    def forget_worker(self, name: str) -> None:
+        self.session.forget(name)
 
     def pick(self, cands: list[Candidate], req: RouteInput) -> tuple[Candidate, str, str]:
         if req.session_key is not None:

@@ -3,7 +3,7 @@
     PYTHONPATH=. python bench/policy_decide_bench.py [--repeat N]
 
 Replays the recorded decision inputs of `tests/routing/fixtures/decisions.json.gz` (4
-workers; the loads are rebuilt before each decision, outside the timed part), and decides
+workers; the fleet's state is set before each decision, outside the timed part), and decides
 on a synthetic 64-worker fleet with reuse everywhere. Prints the median and p99 in
 microseconds per decision for each.
 """
@@ -11,13 +11,14 @@ microseconds per decision for each.
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 import statistics
 import time
 
 from kvroute.router.config import PolicyConfig
 from kvroute.router.fleet.load import EngineMetrics
-from tests.routing.decision_replay import Replayer, load_state, read_fixture
+from tests.routing.decision_replay import Replayer, read_fixture
 
 
 def _stats(times: list[float]) -> str:
@@ -29,6 +30,7 @@ def _stats(times: list[float]) -> str:
 
 def fixture_runs(repeat: int) -> None:
     data = read_fixture()
+    gc.freeze()  # the fixture's objects are not the router's: keep them out of collections
     for run in data["runs"]:
         if run["scenario"] not in ("ttft", "ttft-tuned"):
             continue
@@ -36,11 +38,9 @@ def fixture_runs(repeat: int) -> None:
         for _ in range(repeat):
             r = Replayer(run["config"], run["workers"])
             for step in run["decisions"]:
-                inp = step["input"]
-                for w, row in zip(r.workers, inp["loads"], strict=True):
-                    w.load = load_state(row)
+                workers, req, now = r.prepare(step["input"])
                 t0 = time.perf_counter()
-                r.decide(inp)
+                r.policy.decide(workers, req, now)
                 times.append(time.perf_counter() - t0)
         print(f"{run['profile']:>6} {run['scenario']:<11} {_stats(times)}", flush=True)
 

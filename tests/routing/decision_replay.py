@@ -92,6 +92,10 @@ class Replayer:
         ]
 
     def decide(self, inp: dict[str, Any]) -> Decision:
+        return self.policy.decide(*self.prepare(inp))
+
+    def prepare(self, inp: dict[str, Any]) -> tuple[list[Worker], RouteInput, float]:
+        """Set the fleet's state from a recorded input: the policy's arguments."""
         self._mean = inp["mean"]
         for w, row in zip(self.workers, inp["loads"], strict=True):
             w.load = load_state(row)
@@ -105,7 +109,7 @@ class Replayer:
         )
         req = RouteInput(inp["n"], reuse, inp["session"], coverage, inp["own"])
         eligible: list[Worker] = [self.workers[i] for i in inp["eligible"]]
-        return self.policy.decide(eligible, req, inp["t"])
+        return eligible, req, inp["t"]
 
 
 def read_fixture(path: Path = FIXTURE) -> dict[str, Any]:

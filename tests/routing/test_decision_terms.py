@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from kvroute.router.config import PolicyConfig
+from kvroute.router.config import POLICY_NAMES, PolicyConfig
 from kvroute.router.routing.policy import POLICIES, LoadModel, RouteInput, make_policy
 from kvroute.router.routing.terms import LOAD_TERMS, ORDER, TERMS
 from tests.router.harness import rig
@@ -78,6 +78,7 @@ def test_the_home_and_its_bound_are_terms_of_their_own() -> None:
 def test_policies_declare_what_they_need() -> None:
     cfg = PolicyConfig()
     lm = LoadModel(cfg, lambda: 1000.0, 5.0)
+    assert set(POLICIES) == set(POLICY_NAMES)  # every configurable name has a class
     needs = {name: make_policy(PolicyConfig(name=name), lm) for name in POLICIES}
     assert {n for n, p in needs.items() if p.needs_reuse} == {"ttft", "full_attention_only"}
     assert needs["full_attention_only"].index_view == "full_attention_only"

@@ -10,11 +10,29 @@ of them `Candidate.cost_s`, and `Candidate.terms` keeps each value.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 from kvroute.router.config import PolicyConfig
 from kvroute.router.fleet.workers import Worker
 from kvroute.router.routing.records import Candidate, RouteInput
 from kvroute.router.routing.terms import LOAD_TERMS, TERMS, Pricing, Term
+
+
+@dataclass(frozen=True, slots=True)
+class TermSet:
+    """The terms a policy prices, in summing order: the time terms (the estimated TTFT)
+    first, then the credits."""
+
+    terms: tuple[Term, ...]
+    names: tuple[str, ...] = field(init=False)
+    n_time: int = field(init=False)  # how many leading terms are time terms
+
+    def __post_init__(self) -> None:
+        n_time = sum(1 for t in self.terms if t.time)
+        if n_time == 0 or any(not t.time for t in self.terms[:n_time]):
+            raise ValueError("a policy prices at least one time term, and all before credits")
+        object.__setattr__(self, "names", tuple(t.name for t in self.terms))
+        object.__setattr__(self, "n_time", n_time)
 
 
 def home_worker(reuse: Mapping[str, int | None], margin: int) -> str | None:
@@ -53,9 +71,9 @@ class LoadModel:
         self._rate = prefill_rate or (lambda: cfg.prefill_tokens_per_s)
         self._load_terms = self.terms(LOAD_TERMS)
 
-    def terms(self, names: Sequence[str]) -> tuple[Term, ...]:
+    def terms(self, names: Sequence[str]) -> TermSet:
         """The named terms (KeyError for an unknown name), built on this model's config."""
-        return tuple(TERMS[n](self.cfg) for n in names)
+        return TermSet(tuple(TERMS[n](self.cfg) for n in names))
 
     def seconds_per_token(self) -> float:
         """Prefill seconds per uncached token, as the estimates use it now."""
@@ -71,33 +89,37 @@ class LoadModel:
         return self.price(workers, RouteInput(n_tokens, reuse, None), now, self._load_terms)
 
     def price(
-        self, workers: Sequence[Worker], req: RouteInput, now: float, terms: Sequence[Term]
+        self, workers: Sequence[Worker], req: RouteInput, now: float, terms: TermSet
     ) -> list[Candidate]:
         """One Candidate per worker, priced by `terms` (summed in their order)."""
         inv_rate = self.seconds_per_token()
         cands = self._observe(workers, req, now, inv_rate)
         if not cands:
             return cands
-        p = Pricing(inv_rate, home_worker(req.reuse, self.cfg.hash_unit), req)
-        names = [t.name for t in terms]
-        columns = [t.values(cands, p) for t in terms]
-        is_time = [t.time for t in terms]
-        for i, c in enumerate(cands):
+        home = home_worker(req.reuse, self.cfg.hash_unit)
+        home_at = -1
+        if home is not None:
+            for i, c in enumerate(cands):
+                if c.worker.spec.name == home:
+                    home_at = i
+                    break
+        p = Pricing(inv_rate, home_at, req)
+        columns = [t.values(cands, p) for t in terms.terms]
+        names, k = terms.names, terms.n_time
+        zeros = [0.0] * len(cands)  # an off term (None) adds exactly nothing
+        rows = zip(*[zeros if col is None else col for col in columns], strict=True)
+        for c, row in zip(cands, rows, strict=True):
+            # left to right in the terms' order, as a sum written out by hand would add them
             est = 0.0
-            cost_extra = 0.0
-            values = c.terms
-            for name, col, time in zip(names, columns, is_time, strict=True):
-                if col is None:
-                    values[name] = 0.0
-                    continue
-                v = col[i]
-                values[name] = v
-                if time:
-                    est += v
-                else:
-                    cost_extra += v
+            for v in row[:k]:
+                est += v
+            total = est
+            for v in row[k:]:
+                total += v
             c.est_ttft_s = est
-            c.cost_s = est + cost_extra
+            c.cost_s = total
+            c.term_names = names
+            c.term_values = row
         return cands
 
     def _observe(

@@ -4,7 +4,7 @@ policy priced it) and `Decision` (the choice, why, and every candidate's picture
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvroute.router.fleet.workers import Worker
 
@@ -28,12 +28,19 @@ class Candidate:
     step_wait_s: float = 0.0  # expected wait for the worker's step in flight (unweighted)
     # what the policy ranks by: est_ttft_s plus the credits (the junction credit)
     cost_s: float = 0.0
-    # every priced term's value in seconds, by term name, in the order they are summed
-    terms: dict[str, float] = field(default_factory=dict)
+    # the priced terms' names (shared by a decision's candidates) and values in seconds,
+    # in the order they are summed
+    term_names: tuple[str, ...] = ()
+    term_values: tuple[float, ...] = ()
 
     @property
     def name(self) -> str:
         return self.worker.name
+
+    @property
+    def terms(self) -> dict[str, float]:
+        """Every priced term's value in seconds, by name (built when asked for)."""
+        return dict(zip(self.term_names, self.term_values, strict=True))
 
 
 @dataclass(slots=True)

@@ -11,12 +11,14 @@ from kvroute.router.config import PolicyConfig
 from kvroute.router.routing.records import Candidate, RouteInput
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Pricing:
     """What every term of one decision reads besides the candidates."""
 
     seconds_per_token: float  # prefill seconds per token (configured or learned rate)
-    home: str | None  # the request's home worker (`kvroute.router.routing.cost.home_worker`)
+    # the position among the candidates of the request's home worker
+    # (`kvroute.router.routing.cost.home_worker`), or -1 when it has none
+    home_at: int
     req: RouteInput
 
 

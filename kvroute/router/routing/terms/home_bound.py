@@ -25,10 +25,14 @@ class HomeBound(Term):
 
     def values(self, cands: Sequence[Candidate], p: Pricing) -> list[float] | None:
         cfg = self.cfg
-        home, bound = p.home, cfg.home_load_bound
-        if home is None or bound <= 0 or not cands:
+        at, bound = p.home_at, cfg.home_load_bound
+        if at < 0 or bound <= 0:
+            return None
+        running = cands[at].running
+        if running <= bound * (sum(c.running for c in cands) / len(cands)):
             return None
         inv = p.seconds_per_token
         extra = cfg.tokens_per_running * inv - cfg.tokens_per_running_home * inv
-        limit = bound * (sum(c.running for c in cands) / len(cands))
-        return [extra * c.running if c.name == home and c.running > limit else 0.0 for c in cands]
+        out = [0.0] * len(cands)
+        out[at] = extra * running
+        return out

@@ -24,8 +24,10 @@ class Running(Term):
 
     def values(self, cands: Sequence[Candidate], p: Pricing) -> list[float]:
         per = self.cfg.tokens_per_running * p.seconds_per_token
-        home = p.home
-        return [0.0 if c.name == home else per * c.running for c in cands]
+        out = [per * c.running for c in cands]
+        if p.home_at >= 0:
+            out[p.home_at] = 0.0
+        return out
 
 
 class Home(Term):
@@ -33,8 +35,9 @@ class Home(Term):
     config = ("policy.tokens_per_running_home", "policy.hash_unit")
 
     def values(self, cands: Sequence[Candidate], p: Pricing) -> list[float] | None:
-        home = p.home
-        if home is None:
+        at = p.home_at
+        if at < 0:
             return None
-        per = self.cfg.tokens_per_running_home * p.seconds_per_token
-        return [per * c.running if c.name == home else 0.0 for c in cands]
+        out = [0.0] * len(cands)
+        out[at] = self.cfg.tokens_per_running_home * p.seconds_per_token * cands[at].running
+        return out

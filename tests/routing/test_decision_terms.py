@@ -114,3 +114,14 @@ def test_a_removed_worker_leaves_the_policys_session_ring(name: str) -> None:
             assert "w0" not in ring and "w1" in ring
 
     asyncio.run(go())
+
+
+def test_a_term_set_sums_time_terms_before_credits() -> None:
+    lm = LoadModel(PolicyConfig(), lambda: 1000.0, 5.0)
+    assert lm.terms(ORDER).n_time == len(LOAD_TERMS)
+    with pytest.raises(ValueError, match="before credits"):
+        lm.terms(("junction", "queue"))
+    with pytest.raises(ValueError, match="at least one time term"):
+        lm.terms(("junction",))
+    with pytest.raises(KeyError):
+        lm.terms(("queue", "no_such_term"))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from operator import add
 
 from kvroute.router.config import PolicyConfig
 from kvroute.router.fleet.workers import Worker
@@ -106,17 +107,23 @@ class LoadModel:
         p = Pricing(inv_rate, home_at, req)
         columns = [t.values(cands, p) for t in terms.terms]
         names, k = terms.names, terms.n_time
-        zeros = [0.0] * len(cands)  # an off term (None) adds exactly nothing
+        # Column by column in the terms' order (C-level adds: the cheapest for large fleets),
+        # so each candidate's sum adds its values left to right as a sum written out by hand
+        # would; an off term (None) adds exactly nothing.
+        zeros = [0.0] * len(cands)
+        est: list[float] | None = None
+        for col in columns[:k]:
+            if col is not None:
+                est = col if est is None else list(map(add, est, col))
+        if est is None:
+            est = zeros
+        cost = est
+        for col in columns[k:]:
+            if col is not None:
+                cost = list(map(add, cost, col))
         rows = zip(*[zeros if col is None else col for col in columns], strict=True)
-        for c, row in zip(cands, rows, strict=True):
-            # left to right in the terms' order, as a sum written out by hand would add them
-            est = 0.0
-            for v in row[:k]:
-                est += v
-            total = est
-            for v in row[k:]:
-                total += v
-            c.est_ttft_s = est
+        for c, e, total, row in zip(cands, est, cost, rows, strict=True):
+            c.est_ttft_s = e
             c.cost_s = total
             c.term_names = names
             c.term_values = row

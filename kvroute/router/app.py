@@ -50,7 +50,7 @@ from kvroute.router.ops.decisions import DecisionLog
 from kvroute.router.ops.metrics import RouterMetrics, ScalarGauge
 from kvroute.router.routing.index_view import IndexView
 from kvroute.router.routing.pipeline import Routing, TokenizerLike
-from kvroute.router.routing.policy import LoadModel, Policy, SessionPicker, make_policy
+from kvroute.router.routing.policy import LoadModel, Policy, make_policy
 from kvroute.router.tokenize import Tokenizers, TokenizerSpec
 
 log = logging.getLogger("kvroute.router")
@@ -124,11 +124,11 @@ class _Housekeeping:
         self,
         probes: list[Callable[[Worker], Any]],
         verifier: Verifier,
-        session: SessionPicker | None,
+        policy: Policy,
     ) -> None:
         self._probes = probes
         self._verifier = verifier
-        self._session = session
+        self._policy = policy
         self.started = False
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -146,8 +146,7 @@ class _Housekeeping:
 
     def worker_removed(self, worker: Worker) -> None:
         self._verifier.forget(worker.name)
-        if self._session is not None:
-            self._session.forget(worker.name)
+        self._policy.forget_worker(worker.name)
 
 
 class RouterApp(Starlette):
@@ -292,12 +291,7 @@ def create_app(
         max_s=cfg.load.metrics_max_interval_s,
         kv_quiet_below=KV_QUIET_FRACTION * cfg.policy.kv_usage_saturation,
     )
-    session = getattr(policy, "session", None)
-    housekeeping = _Housekeeping(
-        [health, models_probe, metrics_probe],
-        verifier,
-        session if isinstance(session, SessionPicker) else None,
-    )
+    housekeeping = _Housekeeping([health, models_probe, metrics_probe], verifier, policy)
     registry.listen(housekeeping)
     jobs = [
         Periodic("health", registry, health, cfg.health.interval_s),

@@ -1,7 +1,8 @@
 """A bounded log of recent routing decisions (for GET /admin/decisions and the dashboard).
 
-Records keep the policy's per-candidate view as it was, plus the outcome filled in when the
-response ends (status, attempts, what the engine reported). JSON is built only when read.
+Records keep the policy's per-candidate view as it was, each cost term's value included, plus
+the outcome filled in when the response ends (status, attempts, what the engine reported).
+JSON is built only when read.
 """
 
 from __future__ import annotations
@@ -78,6 +79,9 @@ def candidate_json(c: Candidate) -> dict[str, Any]:
         "step_wait_s": round(c.step_wait_s, 6),
         "saturated": c.saturated,
         "affinity_tokens": c.affinity,
+        # what the policy ranked by (est_ttft_s plus credits) and each term of it, seconds
+        "cost_s": round(c.cost_s, 6),
+        "terms": {name: round(v, 6) for name, v in c.terms.items()},
     }
 
 

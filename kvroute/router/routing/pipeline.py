@@ -22,18 +22,19 @@ from kvroute.router.fleet.workers import ModelRoute, Worker, WorkerRegistry
 from kvroute.router.ops.metrics import RouterMetrics
 from kvroute.router.routing.index_view import IndexView
 from kvroute.router.routing.policy import (
+    FULL_ATTENTION_ONLY,
+    REACH,
     Decision,
-    FullAttentionOnlyPolicy,
     Policy,
     RouteInput,
     session_key,
-    uses_cache,
 )
 from kvroute.router.routing.prefix_sharing import PrefixSharing
 
 log = logging.getLogger("kvroute.router.routing")
 
 _EMPTY: Mapping[str, int | None] = {}
+_Scores = Mapping[str, int | None]
 BYTES_PER_TOKEN_ESTIMATE = 4
 
 
@@ -114,13 +115,18 @@ class Routing:
         self._metrics = metrics
         self._unusable = unusable
         self._clock = clock
-        self._fa_only = isinstance(policy, FullAttentionOnlyPolicy)
+        # the index view the policy declares: hybrid-correct reuse with coverage, or
+        # full-attention-only reuse (KeyError at startup for a view nobody implements)
+        self._score: Callable[[Prompt, Sequence[int] | None], _Scores] = {
+            REACH: self._reach,
+            FULL_ATTENTION_ONLY: self._full_attention_only,
+        }[policy.index_view]
         self._decision_hist = metrics.decision_seconds
         self._decision_count = metrics.decisions
         # who asked for which prefix, for the junction credit (only the TTFT policy uses it)
         self._sharing = (
             PrefixSharing(cfg.hash_unit, cfg.sharing_max_keys)
-            if cfg.junction_shared_only and cfg.affinity_weight > 0 and uses_cache(policy)
+            if cfg.junction_shared_only and cfg.affinity_weight > 0 and policy.needs_reuse
             else None
         )
 
@@ -259,17 +265,8 @@ class Routing:
             return _EMPTY
         if not prompt.cacheable:
             return dict.fromkeys(self.registry.names(), 0)  # vLLM will reuse nothing
-        ids, lora, salt = prompt.token_ids, prompt.lora_name, prompt.cache_salt
         try:
-            keys = self.keys(prompt)
-            if self._fa_only:
-                scores: Mapping[str, int | None] = {
-                    name: exp.full_attention_only()
-                    for name, exp in self.index.explain(ids, lora, salt, keys).items()
-                }
-            else:
-                scores, coverage = self.index.reach(ids, lora, salt, keys)
-                prompt.coverage = coverage
+            scores = self._score(prompt, self.keys(prompt))
         except Exception as exc:  # an index bug must not fail requests: route without evidence
             self._ratelog.error("score", "index scoring failed, routing without it: %r", exc)
             self._metrics.child(self._metrics.errors, "index").inc()
@@ -280,6 +277,21 @@ class Routing:
             if prompt.coverage:
                 prompt.coverage = {n: v for n, v in prompt.coverage.items() if n not in down}
         return scores
+
+    def _reach(self, prompt: Prompt, keys: Sequence[int] | None) -> _Scores:
+        """Hybrid-correct reuse; the full-attention coverage goes on the prompt."""
+        assert prompt.token_ids is not None
+        scores, coverage = self.index.reach(
+            prompt.token_ids, prompt.lora_name, prompt.cache_salt, keys
+        )
+        prompt.coverage = coverage
+        return scores
+
+    def _full_attention_only(self, prompt: Prompt, keys: Sequence[int] | None) -> _Scores:
+        """Reuse as an index of full-attention groups only would predict it."""
+        assert prompt.token_ids is not None
+        explained = self.index.explain(prompt.token_ids, prompt.lora_name, prompt.cache_salt, keys)
+        return {name: exp.full_attention_only() for name, exp in explained.items()}
 
     def decide(
         self,

@@ -206,6 +206,21 @@
   }
 
   // ---------------------------------------------------------------- decisions
+  // The cost terms of one candidate that are not zero, in milliseconds (they sum to its
+  // cost; the junction credit is negative).
+  function termsText(c) {
+    const parts = [];
+    for (const [name, v] of Object.entries(c.terms || {})) {
+      if (v) parts.push(name + " " + (v * 1000).toFixed(2));
+    }
+    return parts.length ? parts.join(" · ") + " ms" : "";
+  }
+
+  function termsTitle(c) {
+    const lines = Object.entries(c.terms || {}).map(([name, v]) => name + ": " + (v * 1000).toFixed(3) + " ms");
+    return lines.length ? "\ncost " + (c.cost_s * 1000).toFixed(3) + " ms = " + lines.join(", ") : "";
+  }
+
   function scoreChips(d) {
     const wrap = el("div", null, "scores");
     const cands = (d.candidates || []).slice().sort((a, b) => a.worker.localeCompare(b.worker));
@@ -217,7 +232,10 @@
         " · " + c.est_ttft_s.toFixed(3) + " s" + (c.saturated ? " · saturated" : "")));
       chip.title = "uncached " + num(c.uncached_tokens) + " tokens, running " + num(c.running) +
         ", queued prefill " + num(c.queued_prefill_tokens) + " tokens" +
-        (c.step_wait_s ? ", step in flight ends in " + (c.step_wait_s * 1000).toFixed(1) + " ms" : "");
+        (c.step_wait_s ? ", step in flight ends in " + (c.step_wait_s * 1000).toFixed(1) + " ms" : "") +
+        termsTitle(c);
+      const terms = termsText(c);
+      if (terms) chip.appendChild(el("span", terms, "terms"));
       wrap.appendChild(chip);
     }
     return wrap;
@@ -374,7 +392,12 @@
         (fa > (w.predicted_reuse || 0) ? " (overstates)" : "")));
       tr.appendChild(td(num(w.uncached_tokens), "num"));
       tr.appendChild(td(num(w.running), "num"));
-      tr.appendChild(td(w.est_ttft_s === undefined ? "–" : secs(w.est_ttft_s), "num"));
+      const est = td(w.est_ttft_s === undefined ? "–" : secs(w.est_ttft_s), "num");
+      if (w.terms) {
+        est.appendChild(el("span", termsText(w), "terms"));
+        est.title = termsTitle(w).trim();
+      }
+      tr.appendChild(est);
       tr.appendChild(td(w.chosen ? "← chosen" : (w.eligible ? "" : "not eligible")));
       body.appendChild(tr);
     }

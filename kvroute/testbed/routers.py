@@ -71,14 +71,14 @@ ROUTERS: dict[str, RouterSpec] = {
         ),
         RouterSpec(
             "kvroute-weighted-cold-queue",
-            "kvroute (default, cold queues at queue_weight as in stop 16)",
+            "kvroute (default, cold queues at queue_weight, the earlier rule)",
             "kvroute",
             "ttft",
             (("KVROUTE_POLICY__FULL_QUEUE_WITHOUT_REUSE", "false"),),
         ),
         RouterSpec(
             "kvroute-bridges-nice",
-            "kvroute (default, bridges at nice 10 as before stop 17)",
+            "kvroute (default, bridges at nice 10, the earlier placement)",
             "kvroute",
             "ttft",
             bridge_sched="nice",
@@ -99,21 +99,21 @@ ROUTERS: dict[str, RouterSpec] = {
         ),
         RouterSpec(
             "kvroute-cold-hash",
-            "kvroute (default, cold requests on the session hash at any load, as before stop 23)",
+            "kvroute (default, cold requests on the session hash at any load, the earlier rule)",
             "kvroute",
             "ttft",
             (("KVROUTE_POLICY__SESSION_SLACK_TOKENS", "1e12"),),
         ),
         RouterSpec(
             "kvroute-configured-release",
-            "kvroute (default, queued prefill released at the configured rate, before stop 23)",
+            "kvroute (default, queued prefill released at the configured rate, the earlier rule)",
             "kvroute",
             "ttft",
             (("KVROUTE_LOAD__RELEASE_AT_MEASURED_RATE", "false"),),
         ),
         RouterSpec(
             "kvroute-unbounded-home",
-            "kvroute (default, home discount at any load, as before stop 24)",
+            "kvroute (default, home discount at any load, the earlier rule)",
             "kvroute",
             "ttft",
             (("KVROUTE_POLICY__HOME_LOAD_BOUND", "0"),),
@@ -134,7 +134,7 @@ ROUTERS: dict[str, RouterSpec] = {
         ),
         RouterSpec(
             "kvroute-junction-any-prefix",
-            "kvroute (default, junction credit 0.5 for any covered prefix, as before stop 25)",
+            "kvroute (default, junction credit 0.5 for any covered prefix, the earlier rule)",
             "kvroute",
             "ttft",
             (

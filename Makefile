@@ -35,7 +35,7 @@ $(CHROMIUM):
 
 browser: $(CHROMIUM)
 
-# vLLM 0.33 CPU-only, for the conformance tests (reference/vllm-kv-events.md §9.1).
+# vLLM 0.33 CPU-only, for the conformance tests (docs/reference/vllm-kv-events.md §9.1).
 $(VLLM_STAMP): tests/conformance/requirements-vllm.txt
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q --upgrade pip

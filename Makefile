@@ -10,7 +10,7 @@ RUN_STAMP := $(VENV)/.installed-run
 CHROMIUM ?= /usr/bin/chromium
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: test demo install vllm-env helm-lib browser lint typecheck proto bench bench-peers clean
+.PHONY: test demo install vllm-env helm-lib browser lint typecheck proto config-docs bench bench-peers clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,7 +35,7 @@ $(CHROMIUM):
 
 browser: $(CHROMIUM)
 
-# vLLM 0.33 CPU-only, for the conformance tests (reference/vllm-kv-events.md §9.1).
+# vLLM 0.33 CPU-only, for the conformance tests (docs/reference/vllm-kv-events.md §9.1).
 $(VLLM_STAMP): tests/conformance/requirements-vllm.txt
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q --upgrade pip
@@ -62,6 +62,10 @@ helm-lib: $(HELM_LIB)
 
 proto: $(STAMP)
 	$(PY) -m kvroute.proto.generate
+
+# docs/configuration.md is generated from kvroute/router/config.py (checked fresh by make test).
+config-docs: $(STAMP)
+	$(VENV)/bin/kvroute serve --print-config-docs > docs/configuration.md
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -1,7 +1,7 @@
 """Benchmark of the indexer: score time over fleets, ingest rate, memory per entry.
 
     python -m bench.index_bench            # full run (minutes), writes bench/results/index.*
-    python -m bench.index_bench --smoke    # seconds; writes bench/results/index-smoke.*
+    python -m bench.index_bench --smoke    # seconds; writes index-smoke.* beside it
 
 Fleet content imitates vLLM under the default settings: every worker holds a shared
 system prompt and conversations stored in 2,048-token prefill chunks (full attention

@@ -676,7 +676,8 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python -m bench.router_overhead_bench"
         + (" --smoke" if args.smoke else "")
         + (" --baseline DIR" if args.baseline else ""),
-        "baseline": args.baseline,
+        # the checkout's folder name only: a machine's path says nothing to a reader
+        "baseline": Path(args.baseline).name if args.baseline else None,
         "cpus": os.cpu_count(),
         "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)],
     }

@@ -16,25 +16,45 @@ import os
 import sys
 from typing import Any
 
-from kvroute.router.config_load import ConfigError, config_from_dict, describe_defaults, load_config
+from kvroute.router.config import POLICY_NAMES
+from kvroute.router.config_docs import render_markdown
+from kvroute.router.config_load import (
+    LOG_LEVELS,
+    ConfigError,
+    config_from_dict,
+    describe_defaults,
+    load_config,
+)
 
 RESOLVED_ENV = "KVROUTE_RESOLVED_CONFIG"  # the parent's resolved config, for worker processes
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """The `kvroute serve` flags (also listed in docs/configuration.md)."""
     p = argparse.ArgumentParser(
         prog="kvroute serve", description="Run the cache-aware OpenAI router in front of a fleet."
     )
     p.add_argument("--config", help="YAML config file (default: $KVROUTE_CONFIG)")
     p.add_argument("--host", help="listen address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="listen port (default 8000)")
-    p.add_argument("--policy", help="routing policy (default ttft)")
+    p.add_argument("--policy", choices=POLICY_NAMES, help="routing policy (default ttft)")
     p.add_argument("--admin-token", help="bearer token for /admin/* (default: admin disabled)")
     p.add_argument("--workers", type=int, help="router processes on the port (default 1)")
-    p.add_argument("--log-level", help="debug, info, warning, error (default info)")
-    p.add_argument("--print-defaults", action="store_true", help="print the config reference")
+    p.add_argument("--log-level", choices=LOG_LEVELS, help="log level (default info)")
+    p.add_argument(
+        "--print-defaults", action="store_true", help="print the config reference as YAML"
+    )
+    p.add_argument(
+        "--print-config-docs",
+        action="store_true",
+        help="print the config reference as Markdown (docs/configuration.md)",
+    )
     p.add_argument("--check", action="store_true", help="validate the config and exit")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def flag_overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -70,6 +90,9 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     if args.print_defaults:
         print(describe_defaults(), end="")
+        return 0
+    if args.print_config_docs:
+        print(render_markdown(build_parser()), end="")
         return 0
     try:
         config = load_config(args.config, overrides=flag_overrides(args))

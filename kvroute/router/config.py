@@ -55,11 +55,8 @@ class ModelSpec:
     alignment: int | None = _f(None, "override the hit alignment (tokens) for this model")
     send_token_ids: bool = _f(
         False,
-        "send plain chat requests (no tools, structured output or logprobs; max_tokens given) "
-        "to the engine as /v1/completions of the router's token ids, converting the answer "
-        "back to chat format, so the engine does not render and tokenize the prompt again; "
-        "only with a tokenizer that gives the engine's exact ids (check it with python -m "
-        "kvroute.router.tokenize.check)",
+        "send plain chat requests as /v1/completions of the router's token ids, so the engine "
+        "does not tokenize them again; needs a tokenizer giving the engine's exact ids",
     )
 
 
@@ -71,59 +68,38 @@ class PolicyConfig:
     )
     learn_prefill_rate: bool = _f(
         False,
-        "route with the prefill rate measured from streamed first bytes (prefill_tokens_per_s "
-        "is then only the starting value); off by default: on the routing benchmark it made "
-        "the policy balance load more and reuse about 2 points less (see README)",
+        "route with the prefill rate measured from streamed first bytes; prefill_tokens_per_s is "
+        "then only its starting value",
     )
     queue_weight: float = _f(
         0.25,
-        "weight of a worker's queued prefill in the TTFT estimate; below 1 a request stays "
-        "with its cache longer before load is balanced (moving it leaves a second copy of the "
-        "prefix that crowds the cache); 1 = the TTFT estimate as such",
+        "weight of a worker's queued prefill in the TTFT estimate (>= 0); below 1 a request stays "
+        "with its cache longer before load is balanced, 1 = the plain estimate",
     )
     tokens_per_running: float = _f(
         100.0,
-        "prefill tokens each request already running on a worker adds to its TTFT estimate "
-        "(decode steps interleave; 5 ms at the default rate). It also spreads conversations, "
-        "so no worker's cache is crowded into evicting state its own sessions need next "
-        "(sliding-window benchmark: 69% cached at 20 tokens, 74-78% at 100). In tokens, not "
-        "seconds, so a fleet's true prefill_tokens_per_s keeps the ranking tuned here",
+        "prefill tokens each request already running on a worker adds to its TTFT estimate, for "
+        "the decode steps that interleave with a prefill (>= 0)",
     )
     tokens_per_running_home: float = _f(
         20.0,
-        "the per-running charge instead, on the one worker whose predicted reuse beats every "
-        "other worker's by at least a hash unit (where the request's conversation lives): "
-        "keeping a conversation where it is adds no session to that cache, and moving it "
-        "re-prefills its own history (dense benchmark, three seeds: at 100 tokens, 42 of 890 "
-        "requests got less cache than under smg, mostly second turns that moved and kept only "
-        "the shared system prompt; at 20, 3)",
+        "the same charge, in tokens (>= 0), on the request's home: the one worker whose predicted "
+        "reuse beats every other's by at least a hash unit",
     )
     home_load_bound: float = _f(
         1.5,
-        "the home's per-running discount (tokens_per_running_home) holds only while the "
-        "home runs at most this many times the fleet's mean running requests; beyond it the "
-        "home is charged tokens_per_running like any worker, so a prefix only one worker "
-        "holds (a tenant's system prompt) does not draw every new conversation onto it "
-        "(0 = always discounted; benchmark, against 0, three seeds each: sliding window p50 "
-        "-4.0 ms and 2 points more cached, bench/results/2026-12-04-routing-cold-off-busy-hash; "
-        "dense p50 -2.9 ms, Mamba "
-        "level, bench/results/2026-12-04-routing-crowded-home-bound)",
+        "the home keeps its lower charge only while it runs at most this many times the fleet's "
+        "mean running requests (ratio >= 0; 0 = always)",
     )
     full_queue_without_reuse: bool = _f(
         True,
-        "on a worker that reuses nothing of the request, count its queued prefill in full "
-        "(queue_weight is there to keep a request with its cache; a cold request gains nothing "
-        "by waiting, and two cold re-prefills would otherwise stack on one busy worker for the "
-        "junction credit); Mamba benchmark, six seeds: p99 -114 ms (lower in 5 of 6 seeds), "
-        "p50 +2.4 ms, both within noise (bench/results/2026-12-03-cold-queue-ab)",
+        "on a worker that reuses nothing of the request, count its queued prefill in full instead "
+        "of at queue_weight",
     )
     step_wait_weight: float = _f(
         0.0,
-        "weight of the expected wait for a worker's step in flight in the TTFT estimate (vLLM "
-        "schedules a new request's prefill when the running step ends; each worker's step "
-        "period and phase are learned from the stream chunks the router relays); off by "
-        "default: on the routing benchmark (three seeds) it measured no better than 0 (see "
-        "bench/results/2026-12-02-step-wait-ab)",
+        "weight (>= 0) of the expected wait for a worker's step in flight, whose period is learned "
+        "from the stream chunks relayed; 0 = off",
     )
     saturation_queue_s: float = _f(
         2.0, "a worker whose queued prefill exceeds this many seconds is saturated"
@@ -139,26 +115,18 @@ class PolicyConfig:
     )
     affinity_weight: float = _f(
         1.5,
-        "hybrid models: credit a worker this fraction of the prefill time of the prompt tokens "
-        "its full-attention blocks hold beyond its reuse (vLLM saves sliding-window/Mamba state "
-        "at that junction when it serves the request there, so later requests sharing the "
-        "prefix reuse it); 0 = greedy on reuse now. 1.5 keeps a hot-prefix burst on its "
-        "document's worker (bench/results/2026-12-04-routing-junction-shared-prefixes, "
-        "sliding window: 1.5 with "
-        "junction_shared_only against 0.5 for any covered prefix, cached tokens 76.2% "
-        "against 73.0%, p50/p99 level)",
+        "hybrid models: credit a worker this fraction (>= 0) of the prefill time of the prompt "
+        "tokens its full-attention blocks hold beyond its reuse; 0 = greedy on reuse",
     )
     junction_shared_only: bool = _f(
         True,
-        "hybrid models: no junction credit for a conversation's own history (the prompt "
-        "tokens from the first block only its session asked this router for: wherever it is "
-        "served, vLLM stores the state at its prompt's end) nor below the fleet's best reuse "
-        "(there the junction is a second copy)",
+        "hybrid models: no junction credit for a conversation's own history, only for prefixes "
+        "other sessions share, and none below the fleet's best reuse",
     )
     sharing_max_keys: int = _f(
         262_144,
-        "how many prompt index keys the router remembers as asked for by which session "
-        "(for junction_shared_only; the oldest are forgotten first)",
+        "prompt index keys remembered with the session that asked for them, for "
+        "junction_shared_only (>= 1; the oldest are forgotten first)",
     )
     session_header: str = _f("x-session-id", "request header holding the session key")
     session_field: str = _f("user", "request body field holding the session key")
@@ -167,11 +135,8 @@ class PolicyConfig:
     )
     session_slack_tokens: float = _f(
         400.0,
-        "a request with no cache evidence follows its session's consistent hash only among "
-        "workers whose estimated TTFT is within this many prefill tokens of the fastest (20 ms "
-        "at the default rate): a cold prompt gains nothing by waiting behind another worker's "
-        "prefill (its next turn follows the cache, not the hash); a large value = the hash "
-        "with bounded load alone",
+        "a request with no cache evidence follows its session's hash only among workers within "
+        "this many prefill tokens of the fastest estimate (>= 0; large = hash alone)",
     )
     virtual_nodes: int = _f(64, "consistent hashing: ring points per worker")
     hash_unit: int = _f(16, "index hash unit in tokens; must divide every group's block size")
@@ -203,8 +168,8 @@ class TimeoutsConfig:
     retry_after_s: int = _f(1, "Retry-After seconds sent with 503 when no worker can serve")
     keep_alive_s: float = _f(
         75.0,
-        "idle client connections are kept this long; above load balancers' idle timeouts "
-        "(60 s is common), so the router never closes a connection a client is reusing",
+        "idle client connections are kept this long, seconds; keep it above the load balancer's "
+        "idle timeout (often 60 s)",
     )
     shutdown_s: float = _f(30.0, "on shutdown, wait this long for streams to finish")
 
@@ -241,18 +206,13 @@ class LoadConfig:
     )
     metrics_max_interval_s: float = _f(
         16.0,
-        "while a worker's scrapes show no other router's requests and KV usage clear of "
-        "saturation, its scrape period doubles up to this (= metrics_interval_s: fixed period)",
+        "while a worker shows no other router's requests and KV usage clear of saturation, its "
+        "scrape period doubles up to this, seconds (= metrics_interval_s: fixed)",
     )
     release_at_measured_rate: bool = _f(
         True,
-        "a request's uncached prompt tokens count as queued on its worker until its first "
-        "byte or its estimated TTFT; with this on, that estimate is converted to wall time at "
-        "the prefill rate measured from streamed first bytes, so a fleet slower than "
-        "policy.prefill_tokens_per_s does not look idle while it is still prefilling "
-        "(benchmark, fleet 3.5x slower than configured: sliding window p50 -2.4 ms, p99 "
-        "-197 ms within noise, 96.6% of the oracle's cached tokens instead of 94.6%; Mamba "
-        "p99 -236 ms; dense level; bench/results/2026-12-04-routing-cold-off-busy-hash)",
+        "a request's uncached prompt counts as queued until its first byte or estimated TTFT, "
+        "converted to wall time at the measured prefill rate (off: at policy.prefill_tokens_per_s)",
     )
 
 
@@ -313,9 +273,8 @@ class TokenizerConfig:
     )
     partial_min_chars: int = _f(
         512,
-        "a streamed request whose history is in the prefix cache and whose new text is at "
-        "least this many characters is routed on the history's ids; the new text is encoded "
-        "while the engine works (the decision waits for no encode); 0 = always encode first",
+        "a streamed request with at least this many new characters after a cached history is "
+        "routed on the history's ids while the new text is encoded (0 = always encode first)",
     )
     remember_answers: bool = _f(
         True,

@@ -449,7 +449,7 @@ def _describe(obj: Any, tp: Any, depth: int, lines: list[str]) -> None:
             lines.append(f"{pad}  MODEL-NAME:")
             _describe(ModelSpec(), ModelSpec, depth + 2, lines)
         else:
-            lines.append(f"{pad}{f.name}: {_yaml_scalar(value)}  # {doc}")
+            lines.append(f"{pad}{f.name}: {yaml_scalar(value)}  # {doc}")
 
 
 def _describe_list_item(tp: Any, depth: int, lines: list[str]) -> None:
@@ -458,9 +458,10 @@ def _describe_list_item(tp: Any, depth: int, lines: list[str]) -> None:
     for i, f in enumerate(dataclasses.fields(tp)):
         lead = "- " if i == 0 else "  "
         value = getattr(obj, f.name)
-        lines.append(f"{pad}{lead}{f.name}: {_yaml_scalar(value)}  # {f.metadata.get('doc', '')}")
+        lines.append(f"{pad}{lead}{f.name}: {yaml_scalar(value)}  # {f.metadata.get('doc', '')}")
 
 
-def _yaml_scalar(value: Any) -> str:
+def yaml_scalar(value: Any) -> str:
+    """A value as it is written in the YAML file (flow style, one line)."""
     text: str = yaml.safe_dump(value, default_flow_style=True).strip()
     return text.removesuffix("\n...").removesuffix(" ...")

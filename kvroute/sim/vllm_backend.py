@@ -14,7 +14,7 @@ The one place in kvroute that drives vLLM's `KVCacheManager`: the simulated engi
   and hands each step's events out as vLLM's own `KVEventBatch`.
 
 Importable only inside the vLLM environment (.venv-vllm). The recipe is
-reference/vllm-kv-events.md §9.
+docs/reference/vllm-kv-events.md §9.
 """
 
 from __future__ import annotations

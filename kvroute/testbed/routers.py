@@ -20,7 +20,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -71,14 +71,14 @@ ROUTERS: dict[str, RouterSpec] = {
         ),
         RouterSpec(
             "kvroute-weighted-cold-queue",
-            "kvroute (default, cold queues at queue_weight as in stop 16)",
+            "kvroute (default, cold queues at queue_weight, the earlier rule)",
             "kvroute",
             "ttft",
             (("KVROUTE_POLICY__FULL_QUEUE_WITHOUT_REUSE", "false"),),
         ),
         RouterSpec(
             "kvroute-bridges-nice",
-            "kvroute (default, bridges at nice 10 as before stop 17)",
+            "kvroute (default, bridges at nice 10, the earlier placement)",
             "kvroute",
             "ttft",
             bridge_sched="nice",
@@ -99,21 +99,21 @@ ROUTERS: dict[str, RouterSpec] = {
         ),
         RouterSpec(
             "kvroute-cold-hash",
-            "kvroute (default, cold requests on the session hash at any load, as before stop 23)",
+            "kvroute (default, cold requests on the session hash at any load, the earlier rule)",
             "kvroute",
             "ttft",
             (("KVROUTE_POLICY__SESSION_SLACK_TOKENS", "1e12"),),
         ),
         RouterSpec(
             "kvroute-configured-release",
-            "kvroute (default, queued prefill released at the configured rate, before stop 23)",
+            "kvroute (default, queued prefill released at the configured rate, the earlier rule)",
             "kvroute",
             "ttft",
             (("KVROUTE_LOAD__RELEASE_AT_MEASURED_RATE", "false"),),
         ),
         RouterSpec(
             "kvroute-unbounded-home",
-            "kvroute (default, home discount at any load, as before stop 24)",
+            "kvroute (default, home discount at any load, the earlier rule)",
             "kvroute",
             "ttft",
             (("KVROUTE_POLICY__HOME_LOAD_BOUND", "0"),),
@@ -134,7 +134,7 @@ ROUTERS: dict[str, RouterSpec] = {
         ),
         RouterSpec(
             "kvroute-junction-any-prefix",
-            "kvroute (default, junction credit 0.5 for any covered prefix, as before stop 25)",
+            "kvroute (default, junction credit 0.5 for any covered prefix, the earlier rule)",
             "kvroute",
             "ttft",
             (
@@ -172,85 +172,59 @@ def kvroute_available() -> str | None:
     return None if found else "the kvroute router (kvroute/router/cli.py) is not in this checkout"
 
 
+def _kvroute_command(spec: RouterSpec, port: int, fleet: Fleet, peers: Peers) -> list[str]:
+    why = kvroute_available()
+    if why:
+        raise RouterUnavailable(why)
+    return [
+        sys.executable, "-m", "kvroute", "serve", "--config", str(fleet.config_path),
+        "--policy", spec.policy, "--host", "127.0.0.1", "--port", str(port),
+        "--admin-token", ADMIN_TOKEN, "--log-level", "warning",
+    ]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _PeerRouter:
+    """A peer router from .venv-peers: smg and vllm-router take the same flags but two."""
+
+    binary: Callable[[Peers], Path | None]  # its executable, if installed
+    subcommand: tuple[str, ...]
+    log_level: str
+
+    def __call__(self, spec: RouterSpec, port: int, fleet: Fleet, peers: Peers) -> list[str]:
+        path = self.binary(peers)
+        if path is None:
+            raise RouterUnavailable(peers.note or f"{spec.kind} not installed")
+        return [
+            str(path), *self.subcommand, "--host", "127.0.0.1", "--port", str(port),
+            "--worker-urls", *(e.url for e in fleet.engines), "--policy", spec.policy,
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+            "--log-level", self.log_level,
+        ]  # fmt: skip
+
+
+def _proxy_command(spec: RouterSpec, port: int, fleet: Fleet, peers: Peers) -> list[str]:
+    return [
+        sys.executable, "-m", "bench.proxy", "--policy", spec.policy,
+        "--engines", ",".join(e.url for e in fleet.engines), "--port", str(port),
+    ]  # fmt: skip
+
+
+# RouterSpec.kind -> the command line that starts such a router
+_COMMANDS: dict[str, Callable[[RouterSpec, int, Fleet, Peers], list[str]]] = {
+    "kvroute": _kvroute_command,
+    "smg": _PeerRouter(lambda p: p.smg, ("launch",), "warn"),
+    "vllm-router": _PeerRouter(lambda p: p.vllm_router, (), "warning"),
+    "proxy": _proxy_command,
+}
+
+
 def command(spec: RouterSpec, port: int, fleet: Fleet, peers: Peers) -> list[str]:
     """The command line that starts ``spec`` on 127.0.0.1:``port`` in front of ``fleet``."""
-    urls = [e.url for e in fleet.engines]
-    if spec.kind == "kvroute":
-        why = kvroute_available()
-        if why:
-            raise RouterUnavailable(why)
-        return [
-            sys.executable,
-            "-m",
-            "kvroute",
-            "serve",
-            "--config",
-            str(fleet.config_path),
-            "--policy",
-            spec.policy,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--admin-token",
-            ADMIN_TOKEN,
-            "--log-level",
-            "warning",
-        ]
-    if spec.kind == "smg":
-        if peers.smg is None:
-            raise RouterUnavailable(peers.note or "smg not installed")
-        return [
-            str(peers.smg),
-            "launch",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--worker-urls",
-            *urls,
-            "--policy",
-            spec.policy,
-            "--prometheus-host",
-            "127.0.0.1",
-            "--prometheus-port",
-            str(free_port()),
-            "--log-level",
-            "warn",
-        ]
-    if spec.kind == "vllm-router":
-        if peers.vllm_router is None:
-            raise RouterUnavailable(peers.note or "vllm-router not installed")
-        return [
-            str(peers.vllm_router),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--worker-urls",
-            *urls,
-            "--policy",
-            spec.policy,
-            "--prometheus-host",
-            "127.0.0.1",
-            "--prometheus-port",
-            str(free_port()),
-            "--log-level",
-            "warning",
-        ]
-    if spec.kind == "proxy":
-        return [
-            sys.executable,
-            "-m",
-            "bench.proxy",
-            "--policy",
-            spec.policy,
-            "--engines",
-            ",".join(urls),
-            "--port",
-            str(port),
-        ]
-    raise ValueError(f"unknown router kind {spec.kind!r}")
+    build = _COMMANDS.get(spec.kind)
+    if build is None:
+        raise ValueError(f"unknown router kind {spec.kind!r}")
+    return build(spec, port, fleet, peers)
 
 
 def kvroute_predictions(url: str) -> dict[str, Any] | None:

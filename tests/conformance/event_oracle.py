@@ -3,7 +3,7 @@
 It is not kvroute's indexer and is not used by the product. The conformance tests run it next
 to `indexer.GroupCache` on the same events: when it agrees with vLLM and the indexer does not,
 the indexer is wrong; when it disagrees too, the events do not carry what vLLM knows (or the
-bridge lost it). It keeps everything forever and evaluates reference/vllm-kv-events.md §7
+bridge lost it). It keeps everything forever and evaluates docs/reference/vllm-kv-events.md §7
 literally, one candidate position at a time.
 """
 

@@ -2,7 +2,7 @@
 
 These check the harness (tests/conformance/vllm_driver.py and kvroute/sim/vllm_backend.py) against
 the
-reference (reference/vllm-kv-events.md §1-§2 and §7.6), so that the comparisons built on the
+reference (docs/reference/vllm-kv-events.md §1-§2 and §7.6), so that the comparisons built on the
 recording compare against vLLM as it really behaves.
 """
 

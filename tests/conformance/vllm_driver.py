@@ -25,7 +25,7 @@ same for several workers at once. The result is one msgpack file:
                  "cache_salt", "hits": {worker: hit}, "per_group": {worker: [...]}, "label"}]}]}
 
 `after` is the number of published batches (seq 0 .. after-1) that the probe's answer reflects.
-A probe's `expect`, when set, is the value reference/vllm-kv-events.md §7.6 states for it.
+A probe's `expect`, when set, is the value docs/reference/vllm-kv-events.md §7.6 states for it.
 `--serve` publishes the named scenarios again on ipc endpoints for a bridge in another process
 (see ServedPublisher); the payloads are byte-identical to the recording's.
 """

@@ -23,7 +23,15 @@ def test_print_defaults_and_check(tmp_path: Path, capsys: pytest.CaptureFixture[
     cfg.write_text(yaml.safe_dump({"workers": [{"name": "a", "url": "http://127.0.0.1:1"}]}))
     assert kvroute_main(["serve", "--config", str(cfg), "--check", "--policy", "session"]) == 0
     assert "policy session" in capsys.readouterr().out
-    assert kvroute_main(["serve", "--config", str(cfg), "--check", "--policy", "nope"]) == 2
+    with pytest.raises(SystemExit) as exit_info:  # argparse: --policy has fixed choices
+        kvroute_main(["serve", "--config", str(cfg), "--check", "--policy", "nope"])
+    assert exit_info.value.code == 2
+    assert "invalid choice: 'nope'" in capsys.readouterr().err
+    with_bad_policy = tmp_path / "bad.yaml"
+    with_bad_policy.write_text(
+        yaml.safe_dump({**yaml.safe_load(cfg.read_text()), "policy": {"name": "nope"}})
+    )
+    assert kvroute_main(["serve", "--config", str(with_bad_policy), "--check"]) == 2
     assert "policy.name" in capsys.readouterr().err
     assert kvroute_main(["serve", "--config", str(tmp_path / "missing.yaml")]) == 2
 

@@ -355,6 +355,17 @@ def test_multimodal_parts_give_no_ids(model_dirs: dict[str, Path]) -> None:
         _local(model_dirs["chatml"]).chat_ids(body)
 
 
+@pytest.mark.parametrize(
+    "part", [{"type": "file", "file": {"file_id": "f"}}, {"file": {"file_id": "f"}}]
+)
+def test_file_parts_are_refused_like_vllm(
+    model_dirs: dict[str, Path], oracle: Any, part: dict[str, Any]
+) -> None:
+    """vLLM has no `file` part type: it refuses the request, and so does the router."""
+    body = {"model": "m", "messages": [{"role": "user", "content": [part]}]}
+    _compare(_local(model_dirs["chatml"]), oracle, model_dirs["chatml"], body)
+
+
 LOOP = "{% for p in m.content %}{{ p.text }}{% endfor %}"
 TEMPLATES = {
     "string": "{% for m in messages %}{{ m['content'] }}{% endfor %}",

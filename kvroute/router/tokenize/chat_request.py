@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvroute.router.tokenize.content_parts import MEDIA_PART_TYPES, TEXT_FIELDS
 from kvroute.router.tokenize.errors import TokenizeError
 from kvroute.router.tokenize.spec import TokenizerSpec
 from kvroute.router.tokenize.template import ContentFormat
@@ -52,28 +53,6 @@ _APPLY_PARAMS = frozenset(
         "return_dict",
         "return_assistant_tokens_mask",
         "tokenizer_kwargs",
-    }
-)
-_TEXT_FIELDS = {
-    "text": "text",
-    "input_text": "text",
-    "output_text": "text",
-    "refusal": "refusal",
-    "thinking": "thinking",
-}
-_MEDIA_TYPES = frozenset(
-    {
-        "image_url",
-        "input_image",
-        "image_embeds",
-        "image_pil",
-        "audio_url",
-        "input_audio",
-        "audio_embeds",
-        "video_url",
-        "video_embeds",
-        "prompt_embeds",
-        "file",
     }
 )
 # Keys of the content-part types vLLM knows; the others are kept on text parts in the OpenAI
@@ -331,19 +310,19 @@ def _part_text(part: Any, role: str) -> tuple[str, Any]:
     if not isinstance(part, dict):
         raise TokenizeError("content parts must be strings or objects", param="messages")
     ptype = part.get("type")
-    if isinstance(ptype, str) and ptype in _TEXT_FIELDS and part.get("uuid") is None:
-        value = part.get(_TEXT_FIELDS[ptype])
+    if isinstance(ptype, str) and ptype in TEXT_FIELDS and part.get("uuid") is None:
+        value = part.get(TEXT_FIELDS[ptype])
         if value is not None and not isinstance(value, str):
             raise TokenizeError(
-                f"the `{_TEXT_FIELDS[ptype]}` of a content part must be a string", param="messages"
+                f"the `{TEXT_FIELDS[ptype]}` of a content part must be a string", param="messages"
             )
         return "text", value
     if isinstance(ptype, str) and ptype == "tool_reference" and part.get("uuid") is None:
         return "tool_reference", part.get("name")
-    if isinstance(ptype, str) and ptype in _MEDIA_TYPES:
+    if isinstance(ptype, str) and ptype in MEDIA_PART_TYPES:
         raise NotExact("multimodal")
     if ptype is None or part.get("uuid") is not None:
-        if any(k in part for k in _MEDIA_TYPES):
+        if any(k in part for k in MEDIA_PART_TYPES):
             raise NotExact("multimodal")
         if "tool_reference" in part:
             return "tool_reference", part.get("name")

@@ -23,25 +23,8 @@ from typing import Annotated, Any
 import msgspec
 
 from kvroute.router.tokenize.chat_request import NotExact
+from kvroute.router.tokenize.content_parts import MEDIA_PART_TYPES, TEXT_CONTENT_PART_TYPES
 from kvroute.router.tokenize.errors import TokenizeError
-
-_TEXT_PART_TYPES = frozenset(
-    {"text", "input_text", "output_text", "refusal", "thinking", "tool_reference"}
-)
-_MEDIA_KEYS = frozenset(
-    {
-        "image_url",
-        "input_image",
-        "image_embeds",
-        "image_pil",
-        "audio_url",
-        "input_audio",
-        "audio_embeds",
-        "video_url",
-        "video_embeds",
-        "prompt_embeds",
-    }
-)
 
 EXTENSION_FIELD = "prompt_token_ids"
 
@@ -112,9 +95,9 @@ def _has_non_text(messages: Any) -> bool:
             if isinstance(part, dict):
                 ptype = part.get("type", "text")
                 if (
-                    any(k in part for k in _MEDIA_KEYS)
+                    any(k in part for k in MEDIA_PART_TYPES)
                     or not isinstance(ptype, str)
-                    or ptype not in _TEXT_PART_TYPES
+                    or ptype not in TEXT_CONTENT_PART_TYPES
                 ):
                     return True
     return False

@@ -6,7 +6,7 @@ mode instead (seconds each). ``--summary-only`` just regenerates SUMMARY.md from
 results already in ``bench/results/``.
 
 SUMMARY.md is made from each benchmark's own ``<name>.md`` and ``<name>.png`` (smoke results,
-with "smoke" in the name, are left out); the README's results section is written from it.
+with "smoke" in the name, are left out); docs/benchmarks.md quotes the current results.
 """
 
 from __future__ import annotations

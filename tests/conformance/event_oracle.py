@@ -51,7 +51,7 @@ class EventOracle:
     positions: dict[bytes, _Position] = field(default_factory=dict)
     by_key: dict[int, set[bytes]] = field(default_factory=dict)
     pending: list[KvGroupEvent] = field(default_factory=list)
-    # The worker's hit alignment when configured (it cannot always be inferred, see README).
+    # The worker's hit alignment when configured (not always inferable, see docs/indexer.md).
     alignment_override: int | None = None
 
     # ---- events ---------------------------------------------------------------------------

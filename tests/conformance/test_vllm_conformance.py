@@ -2,7 +2,7 @@
 and the predicted reuse against vLLM's own `get_computed_blocks` on every probe.
 
 The recording comes from tests/conformance/vllm_driver.py (see conftest.py). Scenarios named
-`limit_*` demonstrate what events cannot carry; see the README section "Known limits of
+`limit_*` demonstrate what events cannot carry; see docs/indexer.md, "Known limits of
 event-based prediction".
 """
 
@@ -24,8 +24,8 @@ from kvroute.proto.events_pb2 import KvGroupEvent
 pytestmark = pytest.mark.vllm
 
 PLAIN = [name for name in SCENARIOS if not name.startswith("limit_")]
-# Known limits of event-based prediction (README): the direction in which an answer computed
-# from events alone departs from vLLM's, and the alignment that fixes it when one does.
+# Known limits of event-based prediction (docs/indexer.md): the direction in which an answer
+# computed from events alone departs from vLLM's, and the alignment that fixes it when one does.
 LIMITS: dict[str, tuple[str, int | None]] = {
     "limit_nonprefix_lcm": ("over", 64),
     "limit_pmu16_fa64": ("under", None),

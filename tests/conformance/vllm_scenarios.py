@@ -31,7 +31,7 @@ class Scenario:
     dp_rank: int = 0
     int_hashes: bool = True
     seed: int = 0
-    # For known-limit scenarios: which limit they demonstrate (see the README section).
+    # For known-limit scenarios: which limit they demonstrate (see docs/indexer.md, "Known limits").
     limit: str = ""
 
 

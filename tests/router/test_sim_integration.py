@@ -469,7 +469,7 @@ def test_router_learns_each_engines_step_period_from_relayed_chunks() -> None:
                 pass
 
     async def go() -> tuple[dict[str, Any], dict[str, Any], str]:
-        router = {"policy": {"step_wait_weight": 1.0}}  # off by default (see README)
+        router = {"policy": {"step_wait_weight": 1.0}}  # off by default (docs/decisions/)
         async with sim_fleet(1, engine={"speed": speed}, router=router) as r:
             running = [asyncio.create_task(one(r, i, 60)) for i in range(streams)]
             await asyncio.sleep(0.5)  # their decode steps are ticking the clock by now

@@ -8,7 +8,8 @@ when present, else from `tokenizer_config.json` (one template or a named list).
 
 Caveat: for a few tokenizer classes (e.g. `Qwen2Tokenizer`) transformers rebuilds the pipeline
 from the vocabulary instead of using `tokenizer.json` as written; real models ship files that
-agree with their class, but a hand-made directory may not. The README explains how to check.
+agree with their class, but a hand-made directory may not. docs/tokenization.md explains how to
+check.
 """
 
 from __future__ import annotations

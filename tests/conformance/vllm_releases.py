@@ -88,12 +88,12 @@ RELEASES: dict[str, tuple[str, str, str]] = {
     "0.10.0": ("arrays-0.10", "dc0f92c472de", ""),
     "0.10.1": ("arrays-0.10", "dc0f92c472de", ""),
     "0.10.1.1": ("arrays-0.10", "dc0f92c472de", ""),
-    "0.10.2": ("arrays-medium", "232ccb502d7c", "factory ignores disabled configs"),
+    "0.10.2": ("arrays-medium", "232ccb502d7c", ""),
     "0.11.0": ("arrays-medium", "232ccb502d7c", ""),
-    "0.11.1": ("arrays-medium", "df3fcd5ec690", "source reformatted only"),
+    "0.11.1": ("arrays-medium", "df3fcd5ec690", "factory: null publisher when events are off"),
     "0.11.2": ("arrays-medium", "df3fcd5ec690", ""),
     "0.12.0": ("arrays-medium", "df3fcd5ec690", ""),
-    "0.13.0": ("arrays-medium", "9aae4171360a", "KVEventAggregator (connector events)"),
+    "0.13.0": ("arrays-medium", "9aae4171360a", "events hashable; KVEventAggregator"),
     "0.14.0": ("arrays-lora-name", "ddb9a501b2d9", ""),
     "0.14.1": ("arrays-lora-name", "ddb9a501b2d9", ""),
     "0.15.0": ("arrays-lora-name", "ddb9a501b2d9", ""),
@@ -131,3 +131,28 @@ RELEASES: dict[str, tuple[str, str, str]] = {
 def layout_of(version: str) -> Layout:
     """The layout of a listed release ("0.26.0"); KeyError for any other."""
     return LAYOUTS[RELEASES[version][0]]
+
+
+def support_table(recorded: set[str], unverified: dict[str, str]) -> str:
+    """The Markdown table of docs/vllm-support.md: per release, its layout and where its
+    checked frames come from (recorded from vLLM, or written from the spec and why)."""
+    rows = [
+        "| vLLM | layout | what changed in kv_events.py | kv_events.py sha256 | frames |",
+        "|---|---|---|---|---|",
+    ]
+    previous_layout, previous_sha, previous_version = "", "", ""
+    for version, (layout_name, sha, note) in RELEASES.items():
+        layout = LAYOUTS[layout_name]
+        if sha == previous_sha:
+            changed = f"same file as {previous_version}"
+        else:
+            previous_version = version
+            new_layout = layout.about if layout_name != previous_layout else ""
+            changed = "; ".join(p for p in (new_layout, note) if p) or "nothing on the wire"
+        previous_layout, previous_sha = layout_name, sha
+        if version in recorded:
+            frames = f"recorded from vLLM {version}"
+        else:
+            frames = f"written from the spec: {unverified.get(version, 'not recorded')}"
+        rows.append(f"| {version} | {layout_name} | {changed} | `{sha}` | {frames} |")
+    return "\n".join(rows) + "\n"

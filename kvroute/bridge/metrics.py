@@ -97,6 +97,13 @@ class BridgeMetrics:
             "lagging_subscribers",
             "Times a subscriber fell behind its queue bound and was resynchronised",
         )
+        # Not per rank: a refused caller's requested rank is not trusted as a label.
+        self.rejected = Counter(
+            _PREFIX + "rejected_subscriptions",
+            "Subscriptions refused by reason (unauthenticated, over_capacity)",
+            ("reason",),
+            registry=r,
+        )
         self.resumes = counter(
             "resumes", "Subscriptions resumed from the recent-batch ring (no snapshot needed)"
         )

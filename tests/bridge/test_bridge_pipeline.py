@@ -19,6 +19,8 @@ from kvroute.bridge.app import Bridge, BridgeConfig
 from kvroute.bridge.client import ResumePoint
 from kvroute.bridge.follower import EngineEndpoints
 from kvroute.bridge.stream import StreamLimits
+from kvroute.proto.namespace import salt_namespace
+from kvroute.router.routing.fleet_index_view import FleetIndexView
 
 TOKENS = list(range(1000, 1064))
 
@@ -523,3 +525,43 @@ def test_client_reconnects_to_a_restarted_bridge_and_gets_a_snapshot() -> None:
         assert set(rec.view.counts) == {(0, be(1)), (0, be(2))}  # history joined via replay
 
     run(main)
+
+
+def test_a_salted_stream_carries_the_salts_digest_never_the_salt() -> None:
+    salt_a, salt_b = "tenant-a-secret-0f3c9e", "tenant-b-secret-77d1aa"
+
+    async def main(rig: Rig) -> None:
+        engine, bridge, live = await rig.follow()
+        await engine.publish([store([1], None, TOKENS[:16], extra_keys=[(salt_a,)])])
+        await engine.publish([store([2], None, TOKENS[:16], extra_keys=[(salt_b,)])])
+        await engine.publish([store([3], None, TOKENS[:16])])
+        await live.wait_for(lambda: (0, be(3)) in live.view.counts)
+        late = rig.recorder(bridge)  # a snapshot of the same blocks
+        await late.wait_for(lambda: (0, be(3)) in late.view.counts)
+        wire = b"".join(m.SerializeToString() for m in [*live.messages, *late.messages])
+        for salt in (salt_a, salt_b):
+            assert salt.encode() not in wire
+            assert salt_namespace(salt).encode() in wire
+        # what a router's index makes of it: each tenant finds only its own block
+        view = FleetIndexView(hash_unit=16)
+        view.apply_snapshot("w", late.snapshots()[-1])
+        prompt = TOKENS[:17]
+        assert view.score(prompt, cache_salt=salt_a)["w"] == 16
+        assert view.score(prompt, cache_salt=salt_b)["w"] == 16
+        assert view.score(prompt, cache_salt="tenant-c")["w"] == 0
+        view.remove_worker("w")
+        view.apply_snapshot("w", _only(late.snapshots()[-1], be(1)))
+        assert view.score(prompt, cache_salt=salt_a)["w"] == 16
+        assert view.score(prompt, cache_salt=salt_b)["w"] == 0
+        assert view.score(prompt)["w"] == 0
+
+    run(main)
+
+
+def _only(snapshot: Any, block: bytes) -> Any:
+    """`snapshot` with only the stores of `block`."""
+    kept = type(snapshot)()
+    kept.CopyFrom(snapshot)
+    del kept.events[:]
+    kept.events.extend(e for e in snapshot.events if block in e.block_hashes)
+    return kept

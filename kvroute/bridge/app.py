@@ -22,6 +22,9 @@ from kvroute.bridge.stream import RankStream, StreamLimits
 
 log = logging.getLogger(__name__)
 
+# Routers subscribe once per worker they follow: a few per router replica.
+DEFAULT_MAX_SUBSCRIBERS = 64
+
 
 @dataclass(frozen=True)
 class BridgeConfig:
@@ -40,6 +43,7 @@ class BridgeConfig:
     # the repr so that a logged config never shows it.
     token: bytes | None = field(default=None, repr=False)
     tls: ServerTls | None = None
+    max_subscribers: int = DEFAULT_MAX_SUBSCRIBERS
 
 
 def _is_loopback(listen: str) -> bool:
@@ -70,7 +74,12 @@ class Bridge:
         """Follow the configured engines (or start discovery) and serve gRPC and HTTP."""
         for endpoints in self.config.engines:
             self._follow(endpoints)
-        handler = kv_events_handler(self.streams.get, token=self.config.token, metrics=self.metrics)
+        handler = kv_events_handler(
+            self.streams.get,
+            token=self.config.token,
+            metrics=self.metrics,
+            max_subscribers=self.config.max_subscribers,
+        )
         self._grpc, self.grpc_port = await start_grpc_server(
             self.config.listen, handler, self.config.tls
         )

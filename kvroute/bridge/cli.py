@@ -8,7 +8,7 @@ import logging
 import os
 import signal
 
-from kvroute.bridge.app import Bridge, BridgeConfig
+from kvroute.bridge.app import DEFAULT_MAX_SUBSCRIBERS, Bridge, BridgeConfig
 from kvroute.bridge.auth import TOKEN_FILE_ENV, ServerTls, read_secret, read_token
 from kvroute.bridge.discovery import ranked_endpoints
 from kvroute.bridge.follower import DEFAULT_REPLAY_TIMEOUT
@@ -54,6 +54,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get(TOKEN_FILE_ENV),
         help="file holding the token subscribers must send (default: the file named by "
         f"${TOKEN_FILE_ENV}); unset = no token asked",
+    )
+    parser.add_argument(
+        "--max-subscribers",
+        type=int,
+        default=DEFAULT_MAX_SUBSCRIBERS,
+        help="concurrent gRPC subscribers over all ranks (1+); more are refused",
     )
     parser.add_argument("--tls-cert-file", help="PEM certificate to serve gRPC over TLS")
     parser.add_argument("--tls-key-file", help="PEM private key of --tls-cert-file")
@@ -109,6 +115,8 @@ def config_from_args(args: argparse.Namespace) -> BridgeConfig:
         raise ValueError("--dp-ranks must be at least 1")
     if not 0 <= args.nice <= 19:
         raise ValueError("--nice must be between 0 and 19")
+    if args.max_subscribers < 1:
+        raise ValueError("--max-subscribers must be at least 1")
     if bool(args.tls_cert_file) != bool(args.tls_key_file):
         raise ValueError("--tls-cert-file and --tls-key-file go together")
     if args.tls_client_ca_file and not args.tls_cert_file:
@@ -137,6 +145,7 @@ def config_from_args(args: argparse.Namespace) -> BridgeConfig:
         replay_timeout=args.replay_timeout,
         token=read_token(args.token_file) if args.token_file else None,
         tls=tls,
+        max_subscribers=args.max_subscribers,
     )
 
 

@@ -32,10 +32,13 @@ def kv_events_handler(
     *,
     token: bytes | None = None,
     metrics: BridgeMetrics | None = None,
+    max_subscribers: int | None = None,
 ) -> grpc.GenericRpcHandler[SubscribeRequest, bytes]:
     """A handler serving `Subscribe` from the rank streams `streams(dp_rank)` returns; with a
-    `token`, only to callers presenting it (others get UNAUTHENTICATED)."""
+    `token`, only to callers presenting it (others get UNAUTHENTICATED); at most
+    `max_subscribers` at once over all ranks (more get RESOURCE_EXHAUSTED)."""
     rejected = RateLimitedLog(log, interval_s=10.0)
+    active = [0]  # subscriptions being served, over all ranks
 
     async def subscribe(
         request: SubscribeRequest, context: grpc.aio.ServicerContext[SubscribeRequest, bytes]
@@ -50,6 +53,17 @@ def kv_events_handler(
             )
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "a valid bridge token is needed")
             return
+        if max_subscribers is not None and active[0] >= max_subscribers:
+            # Each subscriber costs a snapshot and a queue: a flood must not starve the engine.
+            if metrics is not None:
+                metrics.rejected.labels("over_capacity").inc()
+            rejected.warning(
+                "over-capacity", "refused a subscription: %s subscribers already", active[0]
+            )
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, f"at most {max_subscribers} subscribers"
+            )
+            return
         stream = streams(request.dp_rank)
         if stream is None:
             # Unknown yet (discovery pending) or never: the client retries with backoff.
@@ -59,6 +73,7 @@ def kv_events_handler(
             )
             return
         subscriber = stream.subscribe(request)
+        active[0] += 1
         try:
             # Headers now, not with the first message: a router that resumed with nothing
             # missed gets no message until the engine's next batch, and reads the headers
@@ -67,6 +82,7 @@ def kv_events_handler(
             while True:
                 yield await subscriber.queue.get()
         finally:
+            active[0] -= 1
             stream.unsubscribe(subscriber)
 
     method = grpc.unary_stream_rpc_method_handler(

@@ -12,7 +12,7 @@ import grpc
 import grpc.aio
 import pytest
 import zmq.asyncio
-from bridge_testkit import FakeEngine, be, store
+from bridge_testkit import FakeEngine, be, eventually, store
 
 from kvroute.bridge.app import Bridge, BridgeConfig
 from kvroute.bridge.auth import ServerTls, call_metadata, channel_credentials
@@ -187,3 +187,65 @@ def test_the_token_comes_from_a_file_never_from_argv(
         config_from_args(build_parser().parse_args([*base, "--tls-cert-file", pki.server_cert]))
     with pytest.raises(ValueError, match="needs"):
         config_from_args(build_parser().parse_args([*base, "--tls-client-ca-file", pki.ca]))
+
+
+def test_a_flood_of_subscriptions_is_capped_and_the_engine_still_followed() -> None:
+    async def main(engine: FakeEngine, start: Callable[..., Awaitable[Bridge]]) -> None:
+        bridge = await start(max_subscribers=3)
+        target = f"127.0.0.1:{bridge.grpc_port}"
+        await asyncio.sleep(0.3)
+        for i in range(200):  # a state worth snapshotting
+            await engine.publish([store([10_000 + i], None, [i] * 16)])
+        seen: list[SubscribeResponse] = []
+        holder = asyncio.ensure_future(_collect(target, seen))
+        await eventually(lambda: bool(seen))  # the router already following
+        release = asyncio.Event()
+        flood = [asyncio.ensure_future(_hold(target, release)) for _ in range(40)]
+        await asyncio.sleep(0.2)
+        started = asyncio.get_running_loop().time()
+        await engine.publish([store([7], None, TOKENS)])
+        while not any(be(7) in e.block_hashes for m in seen for e in _events(m)):
+            assert asyncio.get_running_loop().time() - started < 2.0, "the engine stalled"
+            await asyncio.sleep(0.01)
+        await eventually(lambda: sum(f.done() for f in flood) >= 38)
+        release.set()
+        codes = [await f for f in flood]
+        holder.cancel()
+        refused = codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED)
+        assert refused == 38 and codes.count(None) == 2  # the holder took the third place
+        assert rejected(bridge, "over_capacity") == refused
+        assert sum(s.subscriber_count for s in bridge.streams.values()) <= 3
+
+    run(main)
+
+
+async def _collect(target: str, into: list[SubscribeResponse]) -> None:
+    async for message in subscribe(target):
+        into.append(message)
+
+
+async def _hold(target: str, release: asyncio.Event) -> grpc.StatusCode | None:
+    """Subscribe and hold the stream until `release`; the refusal's code, or None if served."""
+    seen: list[SubscribeResponse] = []
+    task = asyncio.ensure_future(_collect_raw(target, seen))
+    while not task.done() and not seen:
+        await asyncio.sleep(0.01)
+    if task.done():
+        exc = task.exception()
+        assert isinstance(exc, grpc.aio.AioRpcError)
+        return exc.code()
+    await release.wait()
+    task.cancel()
+    return None
+
+
+async def _collect_raw(target: str, into: list[SubscribeResponse]) -> None:
+    """One subscription without reconnecting: the refusal raises."""
+    async with grpc.aio.insecure_channel(target) as channel:
+        method = channel.unary_stream(
+            SUBSCRIBE_METHOD,
+            request_serializer=SubscribeRequest.SerializeToString,
+            response_deserializer=SubscribeResponse.FromString,
+        )
+        async for message in method(SubscribeRequest(dp_rank=0)):
+            into.append(message)

@@ -54,6 +54,9 @@ class BridgeMetrics:
         self.unknown_removes = counter(
             "unknown_removes", "Removals of blocks the bridge did not hold"
         )
+        self.follower_restarts = counter(
+            "follower_restarts", "Times the engine follower failed and was restarted"
+        )
         self.last_sequence = gauge("last_sequence", "Last engine sequence applied")
         self.engine_connected = gauge(
             "engine_connected", "1 while the engine's PUB socket is connected"

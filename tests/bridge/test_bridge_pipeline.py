@@ -66,7 +66,7 @@ class Rig:
     async def follow(self, **engine_options: Any) -> tuple[FakeEngine, Bridge, Recorder]:
         """One engine, a bridge following it and a subscriber, the bridge connected."""
         engine = self.engine(**engine_options)
-        bridge = await self.bridge(engine.endpoints())
+        bridge = await self.bridge(engine.endpoints(), follower_recovery_s=1.0)
         recorder = self.recorder(bridge)
         await connected(bridge)
         return engine, bridge, recorder
@@ -565,3 +565,39 @@ def _only(snapshot: Any, block: bytes) -> Any:
     del kept.events[:]
     kept.events.extend(e for e in snapshot.events if block in e.block_hashes)
     return kept
+
+
+def test_a_failing_follower_is_restarted_and_liveness_fails_if_it_cannot_recover() -> None:
+    async def main(rig: Rig) -> None:
+        engine, bridge, rec = await rig.follow(replay=False)
+        follower = bridge.followers[0]
+        real = follower.on_live
+        failures = [1]  # the next live message fails once
+
+        async def flaky(frames: Any) -> None:
+            if failures[0]:
+                failures[0] -= 1
+                raise RuntimeError("injected")
+            await real(frames)
+
+        follower.on_live = flaky  # type: ignore[method-assign]
+        base = f"http://127.0.0.1:{bridge.http_port}"
+        async with httpx.AsyncClient() as http:
+            await engine.publish([store([1], None, TOKENS[:16])])
+            await eventually(lambda: metric(bridge, "kvroute_bridge_follower_restarts_total") == 1)
+            await connected(bridge)
+            await engine.publish([store([2], None, TOKENS[:16])])
+            await rec.wait_for(lambda: (0, be(2)) in rec.view.counts)
+            assert (await http.get(f"{base}/livez")).status_code == 200
+            assert (await http.get(f"{base}/readyz")).status_code == 200
+            # now it fails on every message: after follower_recovery_s, liveness says so
+            failures[0] = 10**9
+            deadline = asyncio.get_running_loop().time() + 10
+            while (await http.get(f"{base}/livez")).status_code == 200:
+                assert asyncio.get_running_loop().time() < deadline, "liveness never failed"
+                await engine.publish([store([3], None, TOKENS[:16])])
+                await asyncio.sleep(0.1)
+            assert metric(bridge, "kvroute_bridge_follower_restarts_total") >= 3
+            assert (await http.get(f"{base}/health")).json()["status"] == "failing"
+
+    run(main)

@@ -11,6 +11,7 @@ from typing import Any
 
 import zmq.asyncio
 
+from kvroute.bridge.auth import ServerTls
 from kvroute.bridge.discovery import discover
 from kvroute.bridge.follower import DEFAULT_REPLAY_TIMEOUT, EngineEndpoints, EngineFollower
 from kvroute.bridge.http import start_http
@@ -18,8 +19,14 @@ from kvroute.bridge.metrics import BridgeMetrics
 from kvroute.bridge.server import kv_events_handler, start_grpc_server
 from kvroute.bridge.state import DEFAULT_MAX_BLOCKS, DEFAULT_MAX_LINEAGE_BLOCKS, EngineState
 from kvroute.bridge.stream import RankStream, StreamLimits
+from kvroute.ratelog import RateLimitedLog
 
 log = logging.getLogger(__name__)
+
+# Routers subscribe once per worker they follow: a few per router replica.
+DEFAULT_MAX_SUBSCRIBERS = 64
+_RESTART_INITIAL_S = 0.1
+_RESTART_MAX_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -35,6 +42,18 @@ class BridgeConfig:
     limits: StreamLimits = field(default_factory=StreamLimits)
     replay_timeout: float = DEFAULT_REPLAY_TIMEOUT
     discover_interval: float = 30.0
+    # The subscription token (None = anyone who reaches the port may subscribe); kept out of
+    # the repr so that a logged config never shows it.
+    token: bytes | None = field(default=None, repr=False)
+    tls: ServerTls | None = None
+    max_subscribers: int = DEFAULT_MAX_SUBSCRIBERS
+    # A follower failing again and again for this long fails liveness (the process restarts).
+    follower_recovery_s: float = 30.0
+
+
+def _is_loopback(listen: str) -> bool:
+    host = listen.rpartition(":")[0].strip("[]")
+    return host in ("127.0.0.1", "::1", "localhost")
 
 
 class Bridge:
@@ -55,13 +74,30 @@ class Bridge:
         self._discovery: asyncio.Task[None] | None = None
         self.grpc_port = 0
         self.http_port = 0
+        self._failing_since: dict[int, float] = {}  # rank -> first failure of a streak
+        self._restarted_at: dict[int, float] = {}
+        self._ratelog = RateLimitedLog(log, interval_s=10.0)
 
     async def start(self) -> None:
         """Follow the configured engines (or start discovery) and serve gRPC and HTTP."""
         for endpoints in self.config.engines:
             self._follow(endpoints)
-        handler = kv_events_handler(self.streams.get)
-        self._grpc, self.grpc_port = await start_grpc_server(self.config.listen, handler)
+        handler = kv_events_handler(
+            self.streams.get,
+            token=self.config.token,
+            metrics=self.metrics,
+            max_subscribers=self.config.max_subscribers,
+        )
+        self._grpc, self.grpc_port = await start_grpc_server(
+            self.config.listen, handler, self.config.tls
+        )
+        if self.config.token is None and not _is_loopback(self.config.listen):
+            log.warning(
+                "bridge %s serves %s without a token: anyone who reaches it reads every "
+                "tenant's cached tokens (see --token-file)",
+                self.bridge_id,
+                self.config.listen,
+            )
         if self.config.http:
             self._http, self.http_port = await start_http(self.config.http, self)
         if self.config.discover_url:
@@ -83,8 +119,43 @@ class Bridge:
         )
         self.streams[rank] = stream
         self.followers[rank] = follower
-        self._tasks[rank] = asyncio.ensure_future(follower.run())
+        self._tasks[rank] = asyncio.ensure_future(self._supervise(rank, follower))
         log.info("following rank %s at %s (replay %s)", rank, endpoints.events, endpoints.replay)
+
+    async def _supervise(self, rank: int, follower: EngineFollower) -> None:
+        """Run the follower; restart it with backoff whenever it fails."""
+        loop = asyncio.get_running_loop()
+        delay = _RESTART_INITIAL_S
+        while True:
+            started = loop.time()
+            try:
+                await follower.run()
+                return
+            except Exception as exc:  # CancelledError is not an Exception: stop passes through
+                if loop.time() - started >= self.config.follower_recovery_s:
+                    self._failing_since.pop(rank, None)  # it had recovered: a new streak
+                    delay = _RESTART_INITIAL_S
+                self._failing_since.setdefault(rank, loop.time())
+                self.metrics.follower_restarts.labels(str(rank)).inc()
+                self._ratelog.error(
+                    f"follower-{rank}", "rank %s: follower failed (%r); restarting", rank, exc
+                )
+                follower.forget("follower_restart")
+            await asyncio.sleep(delay)
+            self._restarted_at[rank] = loop.time()
+            delay = min(delay * 2, _RESTART_MAX_S)
+
+    @property
+    def alive(self) -> bool:
+        """False once a rank's follower has kept failing for `follower_recovery_s`."""
+        now = asyncio.get_running_loop().time()
+        bound = self.config.follower_recovery_s
+        for rank, since in list(self._failing_since.items()):
+            if now - self._restarted_at.get(rank, since) >= bound:
+                del self._failing_since[rank]  # up for the whole bound since its restart
+            elif now - since >= bound:
+                return False
+        return True
 
     async def _discover_forever(self) -> None:
         assert self.config.discover_url is not None
@@ -115,7 +186,14 @@ class Bridge:
                 "subscribers": stream.subscriber_count,
                 "engine": self.followers[rank].endpoints.events,
             }
-        return {"status": "ok", "ready": self.ready, "bridge_id": self.bridge_id, "ranks": ranks}
+        status = "ok" if self.alive else "failing"
+        return {
+            "status": status,
+            "alive": self.alive,
+            "ready": self.ready,
+            "bridge_id": self.bridge_id,
+            "ranks": ranks,
+        }
 
     async def stop(self) -> None:
         """Stop following, close the servers and sockets."""

@@ -8,7 +8,8 @@ import logging
 import os
 import signal
 
-from kvroute.bridge.app import Bridge, BridgeConfig
+from kvroute.bridge.app import DEFAULT_MAX_SUBSCRIBERS, Bridge, BridgeConfig
+from kvroute.bridge.auth import TOKEN_FILE_ENV, ServerTls, read_secret, read_token
 from kvroute.bridge.discovery import ranked_endpoints
 from kvroute.bridge.follower import DEFAULT_REPLAY_TIMEOUT
 from kvroute.bridge.state import DEFAULT_MAX_BLOCKS, DEFAULT_MAX_LINEAGE_BLOCKS
@@ -26,6 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvroute bridge",
         description="Follow a vLLM engine's KV-cache events (ZMQ) and serve them over gRPC.",
+        # no prefixes: "--token VALUE" must fail, not be read as "--token-file VALUE"
+        allow_abbrev=False,
     )
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--engine", help="the engine's PUB endpoint, e.g. tcp://HOST:5557")
@@ -46,6 +49,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--listen", default="127.0.0.1:50051", help="gRPC HOST:PORT")
     parser.add_argument("--http", help="HOST:PORT for /metrics, /health and /ready")
+    parser.add_argument(
+        "--token-file",
+        default=os.environ.get(TOKEN_FILE_ENV),
+        help="file holding the token subscribers must send (default: the file named by "
+        f"${TOKEN_FILE_ENV}); unset = no token asked",
+    )
+    parser.add_argument(
+        "--max-subscribers",
+        type=int,
+        default=DEFAULT_MAX_SUBSCRIBERS,
+        help="concurrent gRPC subscribers over all ranks (1+); more are refused",
+    )
+    parser.add_argument("--tls-cert-file", help="PEM certificate to serve gRPC over TLS")
+    parser.add_argument("--tls-key-file", help="PEM private key of --tls-cert-file")
+    parser.add_argument(
+        "--tls-client-ca-file",
+        help="PEM CA bundle: subscribers must present a certificate it signed (mutual TLS)",
+    )
     parser.add_argument(
         "--max-blocks",
         type=int,
@@ -94,6 +115,20 @@ def config_from_args(args: argparse.Namespace) -> BridgeConfig:
         raise ValueError("--dp-ranks must be at least 1")
     if not 0 <= args.nice <= 19:
         raise ValueError("--nice must be between 0 and 19")
+    if args.max_subscribers < 1:
+        raise ValueError("--max-subscribers must be at least 1")
+    if bool(args.tls_cert_file) != bool(args.tls_key_file):
+        raise ValueError("--tls-cert-file and --tls-key-file go together")
+    if args.tls_client_ca_file and not args.tls_cert_file:
+        raise ValueError("--tls-client-ca-file needs --tls-cert-file and --tls-key-file")
+    for path in (args.tls_cert_file, args.tls_key_file, args.tls_client_ca_file):
+        if path:
+            read_secret(path, "PEM")  # unreadable or empty: a clear error now, not at start
+    tls = (
+        ServerTls(args.tls_cert_file, args.tls_key_file, args.tls_client_ca_file)
+        if args.tls_cert_file
+        else None
+    )
     engines = (
         tuple(ranked_endpoints(args.engine, args.replay, args.topic, args.dp_ranks))
         if args.engine
@@ -108,6 +143,9 @@ def config_from_args(args: argparse.Namespace) -> BridgeConfig:
         max_lineage_blocks=args.max_lineage_blocks,
         limits=StreamLimits(queue_size=args.queue_size, ring_batches=args.ring_batches),
         replay_timeout=args.replay_timeout,
+        token=read_token(args.token_file) if args.token_file else None,
+        tls=tls,
+        max_subscribers=args.max_subscribers,
     )
 
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import grpc
 import grpc.aio
 
+from kvroute.bridge.auth import call_metadata
 from kvroute.proto.events_pb2 import SubscribeRequest, SubscribeResponse
 
 log = logging.getLogger(__name__)
@@ -84,24 +85,34 @@ async def subscribe(
     backoff: Backoff = Backoff(),
     position: ResumePoint | None = None,
     channel_options: Sequence[tuple[str, int | str]] = (),
+    credentials: grpc.ChannelCredentials | None = None,
+    token: bytes | None = None,
 ) -> AsyncIterator[SubscribeResponse]:
     """Yield the bridge's messages for `dp_rank` forever, reconnecting as needed.
 
     `position` (updated in place as messages are yielded) lets a caller resume a previous
-    subscription or inspect where it is.
+    subscription or inspect where it is. `credentials` connect over TLS; `token` is sent to a
+    bridge that asks for one.
     """
+    metadata = call_metadata(token)
     point = position if position is not None else ResumePoint()
     delays = backoff.delays()
     while True:
         received = False
         try:
-            async with grpc.aio.insecure_channel(target, options=list(channel_options)) as channel:
+            options = list(channel_options)
+            channel = (
+                grpc.aio.secure_channel(target, credentials, options=options)
+                if credentials is not None
+                else grpc.aio.insecure_channel(target, options=options)
+            )
+            async with channel:
                 method = channel.unary_stream(
                     SUBSCRIBE_METHOD,
                     request_serializer=SubscribeRequest.SerializeToString,
                     response_deserializer=SubscribeResponse.FromString,
                 )
-                call = method(point.request(dp_rank))
+                call = method(point.request(dp_rank), metadata=metadata)
                 async for message in call:
                     if not received:
                         received = True

@@ -8,7 +8,8 @@ Rules (issue 2, spec §2-§5):
   absent), for stores and removes alike;
 - stores are forwarded whole (sparse ones are never sliced by ordinal), duplicates are kept;
 - `AllBlocksCleared` -> CLEAR; absent group fields (before 0.20) -> group 0, kind "";
-- namespace: `lora_name`; the cache salt from the extra keys of the block at token 0; any
+- namespace: `lora_name`; the digest of the cache salt (`kvroute.proto.namespace`, never the
+  salt itself) from the extra keys of the block at token 0; any
   other extra key (multimodal, prompt embeddings, unknown), lookahead tokens, or a LoRA known
   only by id make blocks unmatchable. A dense store whose later blocks are unmatchable is
   split at the first such block (dense spans can be cut exactly; sparse ones never are).
@@ -20,6 +21,7 @@ from typing import Any, Final
 
 from kvroute.bridge.vllm_schema import DecodedBatch, DecodedCleared, DecodedRemoved, DecodedStored
 from kvroute.proto.events_pb2 import KvEventBatch, KvGroupEvent
+from kvroute.proto.namespace import salt_namespace
 
 STORE: Final = KvGroupEvent.STORE
 REMOVE: Final = KvGroupEvent.REMOVE
@@ -139,7 +141,7 @@ def _convert_stored(ev: DecodedStored, out: Any, stats: ConvertStats) -> None:
         return
     salted: list[str] = []
     cut = _first_unmatchable(ev, salted)
-    salt = salted[0] if len(salted) == 1 else ""
+    namespace = salt_namespace(salted[0]) if len(salted) == 1 else ""
     if len(salted) > 1:
         cut = 0
     tokens = ev.token_ids
@@ -166,8 +168,8 @@ def _convert_stored(ev: DecodedStored, out: Any, stats: ConvertStats) -> None:
                 event.sliding_window = window
             if lora:
                 event.lora_name = lora
-            if salt:
-                event.cache_salt = salt
+            if namespace:
+                event.cache_namespace = namespace
         elif cut > 0 and len(tokens) == count * block_size:
             stats.split += 1
             stats.unmatchable += 1
@@ -184,7 +186,7 @@ def _convert_stored(ev: DecodedStored, out: Any, stats: ConvertStats) -> None:
                 block_hashes=hashes[:cut],
                 parent_block_hash=parent,
                 token_ids=tokens[:split_at],
-                cache_salt=salt,
+                cache_namespace=namespace,
                 **common,
             )
             out.add(
@@ -206,7 +208,7 @@ def _convert_stored(ev: DecodedStored, out: Any, stats: ConvertStats) -> None:
                 kind=kind,
                 sliding_window=window,
                 lora_name=lora,
-                cache_salt=salt,
+                cache_namespace=namespace,
                 unmatchable=True,
             )
     except (ValueError, TypeError):

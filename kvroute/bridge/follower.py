@@ -351,6 +351,14 @@ class EngineFollower:
             sorted(self._decoder.unknown_field_names),
         )
 
+    def forget(self, reason: str) -> None:
+        """Drop the rank's view and rejoin from the next message (after a failed run: what
+        the stream holds can no longer be trusted)."""
+        self._reset(reason, None)
+        self._live_high = None
+        self._replayed.clear()
+        self._reconnected = False
+
     def _reset(self, reason: str, sequence: int | None) -> None:
         """Reset the rank's view to `sequence` (None: unknown, the next message rejoins)."""
         self.stream.reset(reason, sequence)

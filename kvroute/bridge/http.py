@@ -1,4 +1,6 @@
-"""The bridge's HTTP side: `/metrics` (Prometheus), `/health` (alive, JSON), `/ready`."""
+"""The bridge's HTTP side: `/metrics` (Prometheus), `/health` (JSON), `/livez` (the process
+should keep running: 503 once a follower keeps failing), `/readyz` and `/ready` (every
+followed engine is connected)."""
 
 from __future__ import annotations
 
@@ -24,6 +26,9 @@ def make_app(bridge: Bridge) -> web.Application:
         # Healthy while the process runs, even if the engine is not up yet (see "ready").
         return web.json_response(bridge.health())
 
+    async def livez(_: web.Request) -> web.Response:
+        return web.json_response({"alive": bridge.alive}, status=200 if bridge.alive else 503)
+
     async def ready(_: web.Request) -> web.Response:
         return web.json_response({"ready": bridge.ready}, status=200 if bridge.ready else 503)
 
@@ -31,6 +36,8 @@ def make_app(bridge: Bridge) -> web.Application:
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
+    app.router.add_get("/readyz", ready)
+    app.router.add_get("/livez", livez)
     return app
 
 

@@ -54,6 +54,9 @@ class BridgeMetrics:
         self.unknown_removes = counter(
             "unknown_removes", "Removals of blocks the bridge did not hold"
         )
+        self.follower_restarts = counter(
+            "follower_restarts", "Times the engine follower failed and was restarted"
+        )
         self.last_sequence = gauge("last_sequence", "Last engine sequence applied")
         self.engine_connected = gauge(
             "engine_connected", "1 while the engine's PUB socket is connected"
@@ -96,6 +99,13 @@ class BridgeMetrics:
         self.lagging_subscribers = counter(
             "lagging_subscribers",
             "Times a subscriber fell behind its queue bound and was resynchronised",
+        )
+        # Not per rank: a refused caller's requested rank is not trusted as a label.
+        self.rejected = Counter(
+            _PREFIX + "rejected_subscriptions",
+            "Subscriptions refused by reason (unauthenticated, over_capacity)",
+            ("reason",),
+            registry=r,
         )
         self.resumes = counter(
             "resumes", "Subscriptions resumed from the recent-batch ring (no snapshot needed)"

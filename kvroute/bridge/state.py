@@ -321,7 +321,9 @@ class EngineState:
             parent = scratch.parents.setdefault(parent, parent)
         parent_key = key_of(parent) if dense and parent else None
         tails = self._tails.setdefault(group, {})
-        record = tails.get(parent_key) if parent_key is not None and not event.cache_salt else None
+        record = (
+            tails.get(parent_key) if parent_key is not None and not event.cache_namespace else None
+        )
         if not dense:
             record = self._new_sparse(event, meta, parent, hashes, scratch)
         elif record is not None and record.meta is meta:
@@ -341,7 +343,7 @@ class EngineState:
         else:
             tokens, width = packed_tokens.pack(event.token_ids)
             record = self._add_record(
-                _Record(meta, event.cache_salt, parent, hashes, tokens, width, True)
+                _Record(meta, event.cache_namespace, parent, hashes, tokens, width, True)
             )
             if parent_key is not None:
                 self._pin(record, self._placer(parent_key, group))
@@ -410,7 +412,7 @@ class EngineState:
         tokens, width = packed_tokens.pack(event.token_ids)
         # Sparse groups of one step usually repeat a dense group's span: borrow it.
         found = scratch.spans.get((bytes(tokens), width))
-        record = _Record(meta, event.cache_salt, parent, hashes, tokens, width, False)
+        record = _Record(meta, event.cache_namespace, parent, hashes, tokens, width, False)
         if found is not None:
             dense, first = found
             record.tokens = dense.tokens
@@ -528,7 +530,7 @@ class EngineState:
                 kind=meta.kind,
                 sliding_window=meta.window,
                 lora_name=meta.lora,
-                cache_salt=record.salt,
+                cache_namespace=record.salt,
                 unmatchable=meta.unmatchable,
             )
         for run in ordered:
@@ -557,7 +559,7 @@ class EngineState:
                 kind=meta.kind,
                 sliding_window=meta.window,
                 lora_name=meta.lora,
-                cache_salt=salt,
+                cache_namespace=salt,
                 unmatchable=meta.unmatchable,
             )
         return snap

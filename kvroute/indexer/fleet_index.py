@@ -480,7 +480,7 @@ def _chunks(
 
 _SPLITTABLE = frozenset(
     {"operation", "group_id", "block_hashes", "parent_block_hash", "token_ids", "block_size",
-     "kind", "sliding_window", "lora_name", "cache_salt", "unmatchable"}
+     "kind", "sliding_window", "lora_name", "cache_namespace", "unmatchable"}
 )  # fmt: skip
 
 
@@ -503,7 +503,7 @@ def _parts(event: events_pb2.KvGroupEvent, blocks: int) -> Iterator[events_pb2.K
         return
     tokens = event.token_ids
     parent = event.parent_block_hash
-    salt = event.cache_salt
+    salt = event.cache_namespace
     for start in range(0, n, blocks):
         stop = min(n, start + blocks)
         yield events_pb2.KvGroupEvent(
@@ -516,7 +516,7 @@ def _parts(event: events_pb2.KvGroupEvent, blocks: int) -> Iterator[events_pb2.K
             kind=event.kind,
             sliding_window=event.sliding_window,
             lora_name=event.lora_name,
-            cache_salt=salt,
+            cache_namespace=salt,
             unmatchable=event.unmatchable,
         )
         parent = hashes[stop - 1]

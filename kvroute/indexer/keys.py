@@ -31,6 +31,8 @@ _TOKEN_BYTES = 4  # token ids are hashed as uint32
 class Namespace:
     """What a block was cached under besides its tokens: LoRA adapter and cache salt.
 
+    `cache_salt` is opaque here: the events' `cache_namespace` (a digest of the tenant's salt,
+    `kvroute.proto.namespace`), and the router passes the same digest of a request's salt.
     `Namespace()` (or `None` where accepted) is the default namespace.
     """
 

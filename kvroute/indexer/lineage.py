@@ -353,7 +353,7 @@ class Lineage:
         """Place a dense report's blocks; `slot` None: positions only (lineage)."""
         bs = e.block_size
         unit = self._unit
-        lora, salt = e.lora_name, e.cache_salt
+        lora, salt = e.lora_name, e.cache_namespace
         unmatchable = e.unmatchable or bs % unit != 0  # unkeyable sizes: lineage only
         parent = e.parent_block_hash
         if parent:

@@ -59,7 +59,7 @@ class KvGroupEvent(_message.Message):
     KIND_FIELD_NUMBER: _builtins.int
     SLIDING_WINDOW_FIELD_NUMBER: _builtins.int
     LORA_NAME_FIELD_NUMBER: _builtins.int
-    CACHE_SALT_FIELD_NUMBER: _builtins.int
+    CACHE_NAMESPACE_FIELD_NUMBER: _builtins.int
     UNMATCHABLE_FIELD_NUMBER: _builtins.int
     operation: Global___KvGroupEvent.Operation.ValueType
     group_id: _builtins.int
@@ -72,8 +72,14 @@ class KvGroupEvent(_message.Message):
     """0 = none"""
     lora_name: _builtins.str
     """namespace the tokens were cached under ("" = none)"""
-    cache_salt: _builtins.str
-    """"" = none; only present where vLLM published it (block at token 0)"""
+    cache_namespace: _builtins.str
+    """The tenant namespace: kvroute.proto.namespace.salt_namespace(cache_salt), a one-way digest
+    of the salt vLLM published with the block at token 0 ("" = none). Never the salt itself.
+    In kvroute 0.1.0 this field (same number) was named cache_salt and carried the raw salt; the number is kept so that mixed versions stay safe: an old router reads the digest
+    as a salt and a new router reads an old bridge's salt as a digest, and either way salted
+    requests match nothing (fewer predicted hits until both sides are upgraded), never
+    another tenant's blocks.
+    """
     unmatchable: _builtins.bool
     """multimodal, prompt-embedding or lookahead keys: lineage only"""
     @_builtins.property
@@ -98,12 +104,12 @@ class KvGroupEvent(_message.Message):
         kind: _builtins.str = ...,
         sliding_window: _builtins.int = ...,
         lora_name: _builtins.str = ...,
-        cache_salt: _builtins.str = ...,
+        cache_namespace: _builtins.str = ...,
         unmatchable: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "block_size", b"block_size", "cache_salt", b"cache_salt", "group_id", b"group_id", "kind", b"kind", "lora_name", b"lora_name", "operation", b"operation", "parent_block_hash", b"parent_block_hash", "sliding_window", b"sliding_window", "token_ids", b"token_ids", "unmatchable", b"unmatchable"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "block_size", b"block_size", "cache_namespace", b"cache_namespace", "group_id", b"group_id", "kind", b"kind", "lora_name", b"lora_name", "operation", b"operation", "parent_block_hash", b"parent_block_hash", "sliding_window", b"sliding_window", "token_ids", b"token_ids", "unmatchable", b"unmatchable"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -236,6 +236,19 @@ class EventsConfig:
         "a live event batch waits this long before it is applied, so the streamed tokens "
         "of the same engine step (which arrive with it) are relayed first (0 = at once)",
     )
+    bridge_token_file: str | None = _f(
+        None, "file holding the token sent to bridges (gRPC metadata); unset = none sent"
+    )
+    bridge_ca_file: str | None = _f(
+        None, "PEM CA bundle that signed the bridges' certificates; set = connect with TLS"
+    )
+    bridge_cert_file: str | None = _f(
+        None, "PEM client certificate presented to bridges that require one (mutual TLS)"
+    )
+    bridge_key_file: str | None = _f(None, "PEM private key of bridge_cert_file")
+    bridge_tls_server_name: str | None = _f(
+        None, "name bridges' certificates are checked against; unset = the bridge's address"
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -372,6 +372,17 @@ def validate(c: RouterConfig) -> list[str]:
     need(e.max_pending_per_worker >= 0, "events.max_pending_per_worker: expected >= 0")
     need(e.snapshot_step_blocks >= 1, "events.snapshot_step_blocks: expected >= 1")
     need(e.apply_delay_s >= 0, "events.apply_delay_s: expected >= 0")
+    for name in ("bridge_token_file", "bridge_ca_file", "bridge_cert_file", "bridge_key_file"):
+        path = getattr(e, name)
+        need(path is None or Path(path).is_file(), f"events.{name}: no such file {path}")
+    need(
+        (e.bridge_cert_file is None) == (e.bridge_key_file is None),
+        "events.bridge_cert_file and events.bridge_key_file go together",
+    )
+    need(
+        e.bridge_cert_file is None or e.bridge_ca_file is not None,
+        "events.bridge_cert_file: needs events.bridge_ca_file (client certificates are for TLS)",
+    )
 
     v = c.verify
     need(v.window >= 1, "verify.window: expected >= 1")

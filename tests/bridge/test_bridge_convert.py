@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from kvroute.bridge import vllm_schema as s
 from kvroute.bridge.convert import ConvertStats, convert_batch, normalise_hash
 from kvroute.proto.events_pb2 import KvEventBatch, KvGroupEvent
+from kvroute.proto.namespace import salt_namespace
 
 STORE, REMOVE, CLEAR, INVALID = (
     KvGroupEvent.STORE,
@@ -177,17 +178,21 @@ def test_lora_name_and_cache_salt() -> None:
         [1, 2], None, T64[:32], 16, lora_id=3, lora_name="ad", extra_keys=[("ad", "salty"), ("ad",)]
     )
     (event,) = convert([ev]).events
-    assert (event.lora_name, event.cache_salt, event.unmatchable) == ("ad", "salty", False)
+    assert (event.lora_name, event.cache_namespace, event.unmatchable) == (
+        "ad",
+        salt_namespace("salty"),
+        False,
+    )
     child = s.BlockStored([3], 2, T64[:16], 16, lora_name="ad", extra_keys=[("ad",)])
     (event,) = convert([child]).events
-    assert (event.lora_name, event.cache_salt, event.unmatchable) == ("ad", "", False)
+    assert (event.lora_name, event.cache_namespace, event.unmatchable) == ("ad", "", False)
 
 
 def test_salt_only_recognised_on_the_block_at_token_zero() -> None:
     # A bare string on a later block is not something vLLM publishes: do not guess.
     ev = s.BlockStored([3], 2, T64[:16], 16, extra_keys=[("salty",)])
     (event,) = convert([ev]).events
-    assert event.unmatchable and event.cache_salt == ""
+    assert event.unmatchable and event.cache_namespace == ""
 
 
 def test_lora_known_only_by_id_is_unmatchable() -> None:
@@ -203,9 +208,9 @@ def test_dense_store_split_at_first_multimodal_block() -> None:
     payload = s.encode_batch(1, [ev], 0, "0.33")
     first, second = convert_batch(s.BatchDecoder().decode(payload), 0, stats=stats).events
     assert list(first.block_hashes) == [be(1), be(2)] and list(first.token_ids) == T64[:32]
-    assert first.cache_salt == "salt" and not first.unmatchable
+    assert first.cache_namespace == salt_namespace("salt") and not first.unmatchable
     assert list(second.block_hashes) == [be(3), be(4)] and list(second.token_ids) == T64[32:]
-    assert second.parent_block_hash == be(2) and second.unmatchable and second.cache_salt == ""
+    assert second.parent_block_hash == be(2) and second.unmatchable and second.cache_namespace == ""
     assert stats.split == 1 and stats.stored_blocks == 4
 
 

@@ -19,6 +19,8 @@ from kvroute.bridge.app import Bridge, BridgeConfig
 from kvroute.bridge.client import ResumePoint
 from kvroute.bridge.follower import EngineEndpoints
 from kvroute.bridge.stream import StreamLimits
+from kvroute.proto.namespace import salt_namespace
+from kvroute.router.routing.fleet_index_view import FleetIndexView
 
 TOKENS = list(range(1000, 1064))
 
@@ -64,7 +66,7 @@ class Rig:
     async def follow(self, **engine_options: Any) -> tuple[FakeEngine, Bridge, Recorder]:
         """One engine, a bridge following it and a subscriber, the bridge connected."""
         engine = self.engine(**engine_options)
-        bridge = await self.bridge(engine.endpoints())
+        bridge = await self.bridge(engine.endpoints(), follower_recovery_s=1.0)
         recorder = self.recorder(bridge)
         await connected(bridge)
         return engine, bridge, recorder
@@ -521,5 +523,81 @@ def test_client_reconnects_to_a_restarted_bridge_and_gets_a_snapshot() -> None:
         await engine.publish([store([2], 1, TOKENS[16:32])])
         await rec.wait_for(lambda: (0, be(2)) in rec.view.counts)
         assert set(rec.view.counts) == {(0, be(1)), (0, be(2))}  # history joined via replay
+
+    run(main)
+
+
+def test_a_salted_stream_carries_the_salts_digest_never_the_salt() -> None:
+    salt_a, salt_b = "tenant-a-secret-0f3c9e", "tenant-b-secret-77d1aa"
+
+    async def main(rig: Rig) -> None:
+        engine, bridge, live = await rig.follow()
+        await engine.publish([store([1], None, TOKENS[:16], extra_keys=[(salt_a,)])])
+        await engine.publish([store([2], None, TOKENS[:16], extra_keys=[(salt_b,)])])
+        await engine.publish([store([3], None, TOKENS[:16])])
+        await live.wait_for(lambda: (0, be(3)) in live.view.counts)
+        late = rig.recorder(bridge)  # a snapshot of the same blocks
+        await late.wait_for(lambda: (0, be(3)) in late.view.counts)
+        wire = b"".join(m.SerializeToString() for m in [*live.messages, *late.messages])
+        for salt in (salt_a, salt_b):
+            assert salt.encode() not in wire
+            assert salt_namespace(salt).encode() in wire
+        # what a router's index makes of it: each tenant finds only its own block
+        view = FleetIndexView(hash_unit=16)
+        view.apply_snapshot("w", late.snapshots()[-1])
+        prompt = TOKENS[:17]
+        assert view.score(prompt, cache_salt=salt_a)["w"] == 16
+        assert view.score(prompt, cache_salt=salt_b)["w"] == 16
+        assert view.score(prompt, cache_salt="tenant-c")["w"] == 0
+        view.remove_worker("w")
+        view.apply_snapshot("w", _only(late.snapshots()[-1], be(1)))
+        assert view.score(prompt, cache_salt=salt_a)["w"] == 16
+        assert view.score(prompt, cache_salt=salt_b)["w"] == 0
+        assert view.score(prompt)["w"] == 0
+
+    run(main)
+
+
+def _only(snapshot: Any, block: bytes) -> Any:
+    """`snapshot` with only the stores of `block`."""
+    kept = type(snapshot)()
+    kept.CopyFrom(snapshot)
+    del kept.events[:]
+    kept.events.extend(e for e in snapshot.events if block in e.block_hashes)
+    return kept
+
+
+def test_a_failing_follower_is_restarted_and_liveness_fails_if_it_cannot_recover() -> None:
+    async def main(rig: Rig) -> None:
+        engine, bridge, rec = await rig.follow(replay=False)
+        follower = bridge.followers[0]
+        real = follower.on_live
+        failures = [1]  # the next live message fails once
+
+        async def flaky(frames: Any) -> None:
+            if failures[0]:
+                failures[0] -= 1
+                raise RuntimeError("injected")
+            await real(frames)
+
+        follower.on_live = flaky  # type: ignore[method-assign]
+        base = f"http://127.0.0.1:{bridge.http_port}"
+        async with httpx.AsyncClient() as http:
+            await engine.publish([store([1], None, TOKENS[:16])])
+            await eventually(lambda: metric(bridge, "kvroute_bridge_follower_restarts_total") == 1)
+            await connected(bridge)
+            await engine.publish([store([2], None, TOKENS[:16])])
+            await rec.wait_for(lambda: (0, be(2)) in rec.view.counts)
+            assert (await http.get(f"{base}/livez")).status_code == 200
+            assert (await http.get(f"{base}/readyz")).status_code == 200
+            # now it fails on every message: after follower_recovery_s, liveness says so
+            failures[0] = 10**9
+            deadline = asyncio.get_running_loop().time() + 10
+            while (await http.get(f"{base}/livez")).status_code == 200:
+                assert asyncio.get_running_loop().time() < deadline, "liveness never failed"
+                await engine.publish([store([3], None, TOKENS[:16])])
+                await asyncio.sleep(0.1)
+            assert metric(bridge, "kvroute_bridge_follower_restarts_total") >= 3
+            assert (await http.get(f"{base}/health")).json()["status"] == "failing"
 
     run(main)

@@ -228,16 +228,18 @@ def test_cache_salt_and_namespace_survive_snapshot() -> None:
     toks = list(range(8))
     state.apply(
         batch(
-            0, store(toks, 0, 1, cache_salt="s", lora_name="ad"), store(toks, 1, 2, lora_name="ad")
+            0,
+            store(toks, 0, 1, cache_namespace="s", lora_name="ad"),
+            store(toks, 1, 2, lora_name="ad"),
         )
     )
     # the child was appended to its parent's record: one dense store, salted at token 0
     (event,) = state.snapshot().events[1:]
-    assert (event.cache_salt, event.lora_name, len(event.block_hashes)) == ("s", "ad", 2)
+    assert (event.cache_namespace, event.lora_name, len(event.block_hashes)) == ("s", "ad", 2)
     # a salted run that loses its first block is emitted without the salt
     state.apply(batch(1, remove(0, h(tuple(toks[:4])))))
     (rest,) = state.snapshot().events[1:]
-    assert rest.cache_salt == "" and rest.parent_block_hash == h(tuple(toks[:4]))
+    assert rest.cache_namespace == "" and rest.parent_block_hash == h(tuple(toks[:4]))
 
 
 def test_max_blocks_bound_evicts_oldest_and_counts() -> None:

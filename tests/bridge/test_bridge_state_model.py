@@ -202,7 +202,7 @@ class Model:
             return
         meta = (group, bs, ev.kind, ev.sliding_window, ev.lora_name, ev.unmatchable)
         tails = self.tails.setdefault(group, {})
-        rec = tails.get(parent) if dense and parent and not ev.cache_salt else None
+        rec = tails.get(parent) if dense and parent and not ev.cache_namespace else None
         if rec is not None and rec.meta == meta:  # appended to the record ending at parent
             del tails[parent], self.records[rec]
             rec.hashes += hashes
@@ -217,7 +217,9 @@ class Model:
             tails[hashes[-1]] = rec
             for i, x in enumerate(hashes):  # link: (parent, block tokens, salt)
                 tokens = tuple(ev.token_ids[i * bs : (i + 1) * bs])
-                self.links.setdefault(x, (hashes[i - 1] if i else parent, tokens, ev.cache_salt))
+                self.links.setdefault(
+                    x, (hashes[i - 1] if i else parent, tokens, ev.cache_namespace)
+                )
         else:
             self.spans.add((group, parent, tuple(ev.token_ids)))
         table = self.copies.setdefault(group, {})
@@ -383,7 +385,7 @@ def _stores(op: tuple[Any, ...], prompts: list[list[int]]) -> list[dict[str, Any
         token_ids=toks[start * BS : stop * BS],
         block_size=BS,
         kind="full_attention",
-        cache_salt=salt if start == 0 else "",
+        cache_namespace=salt if start == 0 else "",
     )
     events = []
     if layout == "swa_only":  # no full attention: evicted ancestors must be kept as lineage

@@ -98,7 +98,7 @@ class EventOracle:
                 return False
             start, key, namespace = parent.end, parent.key, parent.namespace
         else:
-            start, namespace = 0, (event.lora_name, event.cache_salt)
+            start, namespace = 0, (event.lora_name, event.cache_namespace)
             key = hash(namespace)
         if event.unmatchable:
             return True

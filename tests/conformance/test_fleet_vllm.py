@@ -12,9 +12,9 @@ from collections import Counter
 from typing import Any
 
 import pytest
-from vllm_recording import FLEETS, converted
+from vllm_recording import FLEETS, converted, probe_namespace
 
-from kvroute.indexer import FleetIndex, Namespace
+from kvroute.indexer import FleetIndex
 
 pytestmark = pytest.mark.vllm
 
@@ -39,7 +39,7 @@ def test_fleet_index_matches_every_vllm_worker(
             while applied[worker] < after:
                 index.apply(worker, batches[worker][applied[worker]])
                 applied[worker] += 1
-        scores = index.score(probe["tokens"], Namespace(probe["lora_name"], probe["cache_salt"]))
+        scores = index.score(probe["tokens"], probe_namespace(probe))
         for worker, native in probe["hits"].items():
             expected = native if probe["after"][worker] else None
             got = scores.get(worker)

@@ -20,6 +20,7 @@ from kvroute.bridge.convert import ConvertStats
 from kvroute.bridge.state import EngineState
 from kvroute.indexer import GroupCache, Namespace, WorkerScore
 from kvroute.proto.events_pb2 import KvGroupEvent
+from kvroute.proto.namespace import salt_namespace
 
 pytestmark = pytest.mark.vllm
 
@@ -71,7 +72,8 @@ def test_converter_keeps_every_vllm_event(
                 extra = raw.get("extra_keys") or [None]
                 first = extra[0] or []
                 salts = [k for k in first if k != raw["lora_name"]] if parent is None else []
-                assert event.cache_salt == (salts[0] if salts else "")
+                # ...and reaches the wire only as its digest
+                assert event.cache_namespace == salt_namespace(salts[0] if salts else "")
                 assert not event.unmatchable
             elif raw["type"] == "BlockRemoved":
                 assert event.operation == KvGroupEvent.REMOVE
@@ -82,7 +84,7 @@ def test_converter_keeps_every_vllm_event(
 
 
 def _namespace(probe: dict[str, Any]) -> tuple[str, str]:
-    return (probe["lora_name"], probe["cache_salt"])
+    return (probe["lora_name"], salt_namespace(probe["cache_salt"] or ""))
 
 
 def _oracle_answers(

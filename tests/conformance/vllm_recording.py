@@ -26,6 +26,7 @@ from kvroute.bridge.convert import ConvertStats, convert_batch
 from kvroute.bridge.vllm_schema import BatchDecoder
 from kvroute.indexer import Namespace
 from kvroute.proto.events_pb2 import KvEventBatch
+from kvroute.proto.namespace import salt_namespace
 
 T = TypeVar("T")
 
@@ -156,7 +157,7 @@ def at_each_probe(
 
 def probe_namespace(probe: dict[str, Any]) -> Namespace:
     """The namespace a probe was sent in."""
-    return Namespace(probe["lora_name"], probe["cache_salt"])
+    return Namespace(probe["lora_name"], salt_namespace(probe["cache_salt"] or ""))
 
 
 def converted(sc: dict[str, Any], stats: ConvertStats | None = None) -> Iterator[KvEventBatch]:

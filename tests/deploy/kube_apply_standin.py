@@ -31,6 +31,7 @@ RESOURCES: dict[str, list[tuple[str, str, bool]]] = {
     ],
     "apps/v1": [("deployments", "Deployment", True), ("statefulsets", "StatefulSet", True)],
     "policy/v1": [("poddisruptionbudgets", "PodDisruptionBudget", True)],
+    "networking.k8s.io/v1": [("networkpolicies", "NetworkPolicy", True)],
     "autoscaling/v2": [("horizontalpodautoscalers", "HorizontalPodAutoscaler", True)],
     "rbac.authorization.k8s.io/v1": [
         ("roles", "Role", True),

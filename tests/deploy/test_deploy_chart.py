@@ -146,6 +146,7 @@ def test_default_install_has_the_production_pieces() -> None:
             "Deployment",
             "Deployment",
             "HorizontalPodAutoscaler",
+            "NetworkPolicy",
             "PodDisruptionBudget",
             "Role",
             "RoleBinding",
@@ -193,7 +194,7 @@ def test_router_pieces_fit_together() -> None:
     assert spec["securityContext"]["runAsNonRoot"] is True
     container = spec["containers"][0]
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
-    assert container["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
     assert container["ports"][0]["containerPort"] == 8000
 
     # Config: mounted where the args point, and its discovery section is one the
@@ -256,8 +257,8 @@ def test_worker_engine_flags_bridge_sidecar_and_discovery_agree() -> None:
     assert kv == {
         "enable_kv_cache_events": True,
         "publisher": "zmq",
-        "endpoint": "tcp://*:5557",
-        "replay_endpoint": "tcp://*:5558",
+        "endpoint": "tcp://127.0.0.1:5557",
+        "replay_endpoint": "tcp://127.0.0.1:5558",
         "topic": "kv",
         "buffer_steps": 10000,
     }
@@ -268,8 +269,8 @@ def test_worker_engine_flags_bridge_sidecar_and_discovery_agree() -> None:
     assert b[b.index("--listen") + 1] == "0.0.0.0:50051"
     assert b[b.index("--http") + 1] == "0.0.0.0:9090"
     assert bridge["image"] == "kvroute:0.1.0-bridge"
-    assert bridge["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "bridge-http"}
-    assert bridge["livenessProbe"]["httpGet"] == {"path": "/health", "port": "bridge-http"}
+    assert bridge["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "bridge-http"}
+    assert bridge["livenessProbe"]["httpGet"] == {"path": "/livez", "port": "bridge-http"}
     assert bridge["securityContext"]["runAsNonRoot"] is True
 
     # The worker pod, once running and ready, is what discovery turns into a worker:

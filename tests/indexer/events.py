@@ -66,7 +66,7 @@ def store(
         kind=kind,
         sliding_window=window,
         lora_name=lora,
-        cache_salt=salt,
+        cache_namespace=salt,
         unmatchable=unmatchable,
     )
 

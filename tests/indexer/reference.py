@@ -251,12 +251,14 @@ class RefWorker:
         prev: bytes | None = e.parent_block_hash or None
         for j, h in enumerate(hashes):
             chunk = tokens[j * bs : (j + 1) * bs]
-            new = self._child(prev, chunk, e.lora_name, e.cache_salt, e.unmatchable)
+            new = self._child(prev, chunk, e.lora_name, e.cache_namespace, e.unmatchable)
             if new is not None:
                 self._learn(h, new)
             elif h not in self.info and h not in self.waits:
                 assert prev is not None
-                self.waits[h] = _Wait(prev, chunk, bs, e.lora_name, e.cache_salt, e.unmatchable)
+                self.waits[h] = _Wait(
+                    prev, chunk, bs, e.lora_name, e.cache_namespace, e.unmatchable
+                )
                 self.pending[h] = None
             prev = h
 

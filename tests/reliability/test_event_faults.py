@@ -301,7 +301,7 @@ def nonsense_messages(rng: random.Random, n: int) -> list[bytes]:
                 kind=rng.choice(["full_attention", "sliding_window", "mamba", "", "??"]),
                 sliding_window=rng.choice([0, 1, 512, 2**31 - 1]),
                 lora_name=rng.choice(["", "x"]),
-                cache_salt=rng.choice(["", "s"]),
+                cache_namespace=rng.choice(["", "s"]),
                 unmatchable=rng.random() < 0.2,
             )
             events.append(ev)

@@ -183,7 +183,7 @@ group_events = st.builds(
     kind=st.sampled_from(["full_attention", "sliding_window", "mamba", "mla_attention", "", "?"]),
     sliding_window=st.sampled_from([0, 1, 16, 48, 2**32 - 1]),
     lora_name=st.sampled_from(["", "a"]),
-    cache_salt=st.sampled_from(["", "s"]),
+    cache_namespace=st.sampled_from(["", "s"]),
     unmatchable=st.booleans(),
 )
 batches = st.builds(

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from kvroute.proto import events_pb2
+from kvroute.proto.namespace import salt_namespace
 from kvroute.router.routing.fleet_index_view import FleetIndexView
 from tests.router.harness import Rig, rig
 from tests.router.test_events import FakeBridge, until
@@ -30,7 +31,7 @@ def store(group: int, kind: str, n_blocks: int, *, window: int = 0, salt: str = 
         block_size=16,
         kind=kind,
         sliding_window=window,
-        cache_salt=salt,
+        cache_namespace=salt_namespace(salt),
         lora_name=lora,
     )
 

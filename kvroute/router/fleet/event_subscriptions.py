@@ -23,6 +23,7 @@ from typing import Protocol
 import grpc
 from google.protobuf.message import DecodeError
 
+from kvroute.bridge.auth import call_metadata, channel_credentials, read_token
 from kvroute.bridge.client import SUBSCRIBE_METHOD, ResumePoint
 from kvroute.proto import events_pb2
 from kvroute.ratelog import RateLimitedLog
@@ -63,22 +64,37 @@ class Transport(Protocol):
 
 
 class GrpcTransport:
-    """The bridge's KvEvents.Subscribe over one gRPC channel (kept across reconnects)."""
+    """The bridge's KvEvents.Subscribe over one gRPC channel (kept across reconnects); over
+    TLS with `credentials`, sending `token` to bridges that ask for one."""
 
-    def __init__(self, target: str, keepalive_s: float = 20.0, timeout_s: float = 10.0) -> None:
-        self._channel = grpc.aio.insecure_channel(
-            target,
-            options=[
-                ("grpc.max_receive_message_length", 512 * 1024 * 1024),
-                ("grpc.keepalive_time_ms", int(keepalive_s * 1000)),
-                ("grpc.keepalive_timeout_ms", int(timeout_s * 1000)),
-                # grpc 1.8x waits for a ping's ack this long (default 60 s), whatever the
-                # keepalive timeout says: without it a silent cut went unnoticed for a minute
-                ("grpc.http2.ping_timeout_ms", int(timeout_s * 1000)),
-                # keep pinging on a quiet stream (an idle engine sends nothing for minutes)
-                ("grpc.http2.max_pings_without_data", 0),
-            ],
+    def __init__(
+        self,
+        target: str,
+        keepalive_s: float = 20.0,
+        timeout_s: float = 10.0,
+        *,
+        credentials: grpc.ChannelCredentials | None = None,
+        token: bytes | None = None,
+        server_name: str | None = None,
+    ) -> None:
+        options: list[tuple[str, int | str]] = [
+            ("grpc.max_receive_message_length", 512 * 1024 * 1024),
+            ("grpc.keepalive_time_ms", int(keepalive_s * 1000)),
+            ("grpc.keepalive_timeout_ms", int(timeout_s * 1000)),
+            # grpc 1.8x waits for a ping's ack this long (default 60 s), whatever the
+            # keepalive timeout says: without it a silent cut went unnoticed for a minute
+            ("grpc.http2.ping_timeout_ms", int(timeout_s * 1000)),
+            # keep pinging on a quiet stream (an idle engine sends nothing for minutes)
+            ("grpc.http2.max_pings_without_data", 0),
+        ]
+        if server_name:
+            options.append(("grpc.ssl_target_name_override", server_name))
+        self._channel = (
+            grpc.aio.secure_channel(target, credentials, options=options)
+            if credentials is not None
+            else grpc.aio.insecure_channel(target, options=options)
         )
+        self._metadata = call_metadata(token)
         self._subscribe = self._channel.unary_stream(
             SUBSCRIBE_METHOD,
             request_serializer=events_pb2.SubscribeRequest.SerializeToString,
@@ -89,7 +105,7 @@ class GrpcTransport:
     async def open(
         self, request: events_pb2.SubscribeRequest
     ) -> AsyncIterator[events_pb2.SubscribeResponse | None]:
-        call = self._subscribe(request)
+        call = self._subscribe(request, metadata=self._metadata)
         try:
             await call.initial_metadata()  # headers: the bridge accepted the subscription...
             if not call.done():  # ...unless the call already failed (a refused connection)
@@ -116,13 +132,35 @@ def _raw(data: bytes) -> bytes:
     return data
 
 
+# Answers that mean the bridge turned this router away (wrong token or certificate, or full).
+_REFUSED = frozenset(
+    {
+        grpc.StatusCode.UNAUTHENTICATED,
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+    }
+)
+
 TransportFactory = Callable[[Worker], "Transport | None"]
 
 
 def default_transport(worker: Worker, cfg: EventsConfig | None = None) -> Transport | None:
     if worker.spec.bridge:
         cfg = cfg or EventsConfig()
-        return GrpcTransport(worker.spec.bridge, cfg.keepalive_s, cfg.keepalive_timeout_s)
+        credentials = (
+            channel_credentials(cfg.bridge_ca_file, cfg.bridge_cert_file, cfg.bridge_key_file)
+            if cfg.bridge_ca_file
+            else None
+        )
+        return GrpcTransport(
+            worker.spec.bridge,
+            cfg.keepalive_s,
+            cfg.keepalive_timeout_s,
+            credentials=credentials,
+            # read per worker: a rotated Secret reaches workers added after the rotation
+            token=read_token(cfg.bridge_token_file) if cfg.bridge_token_file else None,
+            server_name=cfg.bridge_tls_server_name,
+        )
     if worker.spec.zmq:
         from kvroute.router.fleet.zmq_source import ZmqTransport
 
@@ -227,7 +265,12 @@ class EventSubscriptions:
     async def _follow(self, worker: Worker) -> None:
         name = worker.name
         status = self._status[name]
-        transport = self._factory(worker)
+        try:
+            transport = self._factory(worker)
+        except ValueError as exc:  # an unreadable token or certificate file
+            self._ratelog.error(name, "events %s: cannot subscribe: %s", name, exc)
+            status.last_error = str(exc)
+            return
         if transport is None:
             return
         delay = self._cfg.reconnect_initial_s
@@ -299,6 +342,10 @@ class EventSubscriptions:
             status.last_error = "stream ended"
         except grpc.aio.AioRpcError as exc:
             status.last_error = f"{exc.code().name}: {exc.details()}"
+            if exc.code() in _REFUSED:  # a configuration problem: say so, it will not pass
+                self._ratelog.warning(
+                    f"refused-{name}", "events %s: bridge refused: %s", name, status.last_error
+                )
         except (OSError, ConnectionError) as exc:
             status.last_error = str(exc)
         except BadMessage as exc:

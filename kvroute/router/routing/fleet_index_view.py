@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from kvroute.indexer import FleetIndex, Namespace, content_keys
 from kvroute.proto import events_pb2
+from kvroute.proto.namespace import salt_namespace
 from kvroute.router.routing.index_view import GroupReuse, IndexStats, ReuseExplanation
 
 _EXPIRE_EVERY_S = 0.1
@@ -16,9 +17,10 @@ _DEFAULT_NS = Namespace()
 
 
 def _ns(lora_name: str, cache_salt: str) -> Namespace:
+    """The index namespace of a request: events carry the salt's digest, never the salt."""
     if not lora_name and not cache_salt:
         return _DEFAULT_NS
-    return Namespace(lora_name=lora_name, cache_salt=cache_salt)
+    return Namespace(lora_name=lora_name, cache_salt=salt_namespace(cache_salt))
 
 
 class FleetIndexView:

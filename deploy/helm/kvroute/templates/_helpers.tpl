@@ -71,5 +71,10 @@ kvroute.io/role: worker
     "max_workers" (int .Values.discovery.max_workers) }}
 {{- $_ := set $cfg "discovery" (dict "kubernetes" $kube) }}
 {{- end }}
+{{- if .Values.worker.bridge.tokenSecret }}
+{{- $events := deepCopy (default dict $cfg.events) }}
+{{- $_ := set $events "bridge_token_file" "/etc/kvroute-bridge/token" }}
+{{- $_ := set $cfg "events" $events }}
+{{- end }}
 {{- toYaml $cfg }}
 {{- end }}

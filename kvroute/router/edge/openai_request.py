@@ -14,7 +14,8 @@ from typing import Any
 
 import msgspec
 
-from kvroute.router.edge.errors import INVALID_FIELD, INVALID_JSON, RouterError
+from kvroute.router.edge.errors import INVALID_FIELD, RouterError
+from kvroute.router.edge.json_input import decode_object
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -40,8 +41,6 @@ _DROP = frozenset(
         b"expect",
     }
 )
-
-_decoder = msgspec.json.Decoder()
 
 
 @dataclass(slots=True)
@@ -71,12 +70,7 @@ def parse_request(
     endpoint: str, raw: bytes, raw_headers: Iterable[tuple[bytes, bytes]]
 ) -> ClientRequest:
     """Decode and check a request body; raises RouterError (400) with the offending param."""
-    try:
-        body = _decoder.decode(raw)
-    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
-        raise RouterError(INVALID_JSON, f"request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise RouterError(INVALID_JSON, "request body must be a JSON object")
+    body = decode_object(raw)
     model = body.get("model")
     if model is not None and (not isinstance(model, str) or not model):
         raise _bad("model", "must be a non-empty string")

@@ -3,16 +3,16 @@ worker serving the model), /v1/models (aggregated from the fleet) and /health.""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 
-import msgspec
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from kvroute.ratelog import RateLimitedLog
 from kvroute.router.edge.body import read_bounded
 from kvroute.router.edge.errors import (
-    INVALID_JSON,
     NO_WORKER,
     UNKNOWN_MODEL,
     UPSTREAM,
@@ -20,10 +20,13 @@ from kvroute.router.edge.errors import (
     RouterError,
     error_response,
 )
+from kvroute.router.edge.json_input import decode_object
 from kvroute.router.edge.openai_request import forward_headers
 from kvroute.router.edge.upstream import Upstream, UpstreamConnectError, UpstreamTimeout
 from kvroute.router.fleet.workers import Worker, WorkerRegistry
 from kvroute.router.ops.metrics import RouterMetrics
+
+log = logging.getLogger("kvroute.router.passthrough")
 
 _KEEP_RESPONSE_HEADERS = (b"content-type",)
 
@@ -44,18 +47,14 @@ class Passthrough:
         self._max_body = max_body
         self._retry_after = retry_after_s
         self._clock = clock
+        self._ratelog = RateLimitedLog(log, interval_s=10.0)
 
     async def forward(self, request: Request) -> Response:
         """POST the body to the least busy eligible worker serving the body's model."""
         path = request.url.path
         try:
             raw = await read_bounded(request, self._max_body)
-            try:
-                body = msgspec.json.decode(raw)
-            except (msgspec.DecodeError, UnicodeDecodeError) as exc:
-                raise RouterError(INVALID_JSON, f"request body is not valid JSON: {exc}") from None
-            if not isinstance(body, dict):
-                raise RouterError(INVALID_JSON, "request body must be a JSON object")
+            body = decode_object(raw)
             worker = self._pick(body.get("model"))
             try:
                 resp = await self._upstream.send(
@@ -80,6 +79,7 @@ class Passthrough:
         except RouterError as exc:
             self._metrics.errors.labels(exc.kind.kind).inc()
             self._metrics.requests.labels(path, str(exc.kind.status)).inc()
+            self._ratelog.warning(exc.kind.kind, "%s %s: %s", exc.kind.status, path, exc.message)
             return error_response(exc)
 
     def _pick(self, model: object) -> Worker:

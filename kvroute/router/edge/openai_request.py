@@ -39,8 +39,10 @@ _DROP = frozenset(
         b"proxy-authenticate",
         b"accept-encoding",  # the router reads usage from bodies; keep them uncompressed
         b"expect",
+        b"x-data-parallel-rank",  # which engine rank serves a request is the router's choice
     }
 )
+_FORWARDED_PREFIX = b"x-forwarded-"
 
 
 @dataclass(slots=True)
@@ -56,18 +58,35 @@ class ClientRequest:
     header_map: dict[str, str]  # lower-cased, for lookups (session header)
 
 
-def forward_headers(raw_headers: Iterable[tuple[bytes, bytes]]) -> list[tuple[str, str]]:
+def forward_headers(
+    raw_headers: Iterable[tuple[bytes, bytes]], trusted_peer: bool = False
+) -> list[tuple[str, str]]:
+    """The client's headers the engine may see: no hop-by-hop headers (the fixed set and any
+    the client names in `Connection:`), no x-kvroute-* and no `x-data-parallel-rank` (the
+    router sets that one itself), and X-Forwarded-* / Forwarded only from a `trusted_peer`."""
+    headers = list(raw_headers)
+    named = {
+        token.strip().lower()
+        for name, value in headers
+        if name.lower() == b"connection"
+        for token in value.split(b",")
+    }
     out = []
-    for name, value in raw_headers:
+    for name, value in headers:
         lname = name.lower()
-        if lname in _DROP or lname.startswith(INTERNAL_PREFIX):
+        if lname in _DROP or lname in named or lname.startswith(INTERNAL_PREFIX):
+            continue
+        if not trusted_peer and (lname.startswith(_FORWARDED_PREFIX) or lname == b"forwarded"):
             continue
         out.append((lname.decode("latin-1"), value.decode("latin-1")))
     return out
 
 
 def parse_request(
-    endpoint: str, raw: bytes, raw_headers: Iterable[tuple[bytes, bytes]]
+    endpoint: str,
+    raw: bytes,
+    raw_headers: Iterable[tuple[bytes, bytes]],
+    trusted_peer: bool = False,
 ) -> ClientRequest:
     """Decode and check a request body; raises RouterError (400) with the offending param."""
     body = decode_object(raw)
@@ -97,7 +116,7 @@ def parse_request(
     if user is not None and not isinstance(user, str):
         raise _bad("user", "must be a string")
     _check_prompt(endpoint, body)
-    headers = forward_headers(raw_headers)
+    headers = forward_headers(raw_headers, trusted_peer)
     return ClientRequest(
         endpoint=endpoint,
         body=body,

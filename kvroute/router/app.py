@@ -27,6 +27,7 @@ from kvroute.router.config import RouterConfig, TokenizerConfig
 from kvroute.router.edge.openai_request import GENERATION_ENDPOINTS
 from kvroute.router.edge.passthrough import Passthrough
 from kvroute.router.edge.proxy import Proxy, ProxyEndpoint
+from kvroute.router.edge.trust import TrustedPeers
 from kvroute.router.edge.upstream import Upstream
 from kvroute.router.fleet.discovery import parse_discovery_config, start_discovery
 from kvroute.router.fleet.event_subscriptions import (
@@ -182,7 +183,7 @@ def create_app(
 ) -> Starlette:
     """Build the router app. The returned app's `state.kvroute` holds its `Components`."""
     metrics = RouterMetrics()
-    upstream = Upstream(cfg.timeouts, cfg.limits)
+    upstream = Upstream(cfg.timeouts, cfg.limits, pool_wait_s=cfg.edge.pool_wait_s)
     registry = WorkerRegistry(
         cfg.breaker,
         max_workers=cfg.limits.max_workers,
@@ -302,7 +303,13 @@ def create_app(
         cfg.admin.token, registry, routing, index, events, verifier, decisions, metrics, clock
     )
     passthrough = Passthrough(
-        registry, upstream, metrics, cfg.limits.max_body_bytes, cfg.timeouts.retry_after_s, clock
+        registry,
+        upstream,
+        metrics,
+        proxy.bodies,
+        cfg.timeouts.retry_after_s,
+        clock,
+        TrustedPeers(cfg.edge.trusted_proxies),
     )
 
     async def metrics_endpoint(request: Request) -> Response:

@@ -118,6 +118,7 @@ def main(argv: list[str]) -> int:
         "timeout_graceful_shutdown": int(config.timeouts.shutdown_s),
         "timeout_keep_alive": int(config.timeouts.keep_alive_s),
         "backlog": 4096,
+        "limit_concurrency": config.edge.limit_concurrency,
     }
     if config.processes > 1:
         os.environ[RESOLVED_ENV] = json.dumps(dataclasses.asdict(config))

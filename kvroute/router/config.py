@@ -299,6 +299,45 @@ class TokenizerConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class EdgeConfig:
+    """Bounds that keep hostile or stuck clients and a busy fleet from exhausting the router."""
+
+    body_bytes_in_flight: int = _f(
+        256 * 1024 * 1024,
+        "request body bytes held at once by this process, all requests together (bytes, >= "
+        "limits.max_body_bytes); a body that does not fit gets 503 with Retry-After",
+    )
+    body_read_s: float = _f(
+        30.0, "a client must send its whole request body within this many seconds, else 408"
+    )
+    limit_concurrency: int = _f(
+        8192,
+        "client connections plus requests uvicorn serves at once before it answers 503 itself "
+        "(>= limits.max_in_flight)",
+    )
+    pool_wait_s: float = _f(
+        5.0, "wait at most this many seconds for a free upstream connection, then 503 (> 0)"
+    )
+    write_stall_s: float = _f(
+        30.0,
+        "a streaming client that accepts no bytes for this many seconds is dropped and its "
+        "upstream connection freed (> 0)",
+    )
+    request_deadline_s: float = _f(
+        600.0,
+        "seconds from dispatch to the answer's first byte, all attempts and retries included; "
+        "past it the client gets 504 and no further attempt starts (> 0)",
+    )
+    trusted_proxies: list[str] = field(
+        default_factory=list,
+        metadata={
+            "doc": "peer addresses or CIDR ranges whose X-Forwarded-* / Forwarded headers are "
+            "passed on to the engines; from any other peer they are dropped"
+        },
+    )
+
+
+@dataclass(frozen=True, slots=True)
 class RouterConfig:
     host: str = _f("127.0.0.1", "address to listen on")
     port: int = _f(8000, "port to listen on")
@@ -346,4 +385,7 @@ class RouterConfig:
     )
     tokenizer: TokenizerConfig = field(
         default_factory=TokenizerConfig, metadata={"doc": "exact tokenization"}
+    )
+    edge: EdgeConfig = field(
+        default_factory=EdgeConfig, metadata={"doc": "bounds against hostile or stuck clients"}
     )

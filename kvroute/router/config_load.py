@@ -27,6 +27,7 @@ from kvroute.router.config import (
     RouterConfig,
     WorkerSpec,
 )
+from kvroute.router.edge.trust import parse_networks
 from kvroute.router.fleet.discovery import DiscoveryConfigError, parse_discovery_config
 
 ENV_PREFIX = "KVROUTE_"
@@ -340,6 +341,22 @@ def validate(c: RouterConfig) -> list[str]:
     for key in ("connect_s", "read_idle_s", "health_s", "shutdown_s"):
         need(getattr(c.timeouts, key) > 0, f"timeouts.{key}: expected > 0")
     need(c.timeouts.retry_after_s >= 0, "timeouts.retry_after_s: expected >= 0")
+
+    edge = c.edge
+    need(
+        edge.body_bytes_in_flight >= lim.max_body_bytes,
+        "edge.body_bytes_in_flight: expected >= limits.max_body_bytes",
+    )
+    need(
+        edge.limit_concurrency >= lim.max_in_flight,
+        "edge.limit_concurrency: below max_in_flight",
+    )
+    for key in ("body_read_s", "pool_wait_s", "write_stall_s", "request_deadline_s"):
+        need(getattr(edge, key) > 0, f"edge.{key}: expected > 0")
+    try:
+        parse_networks(edge.trusted_proxies)
+    except ValueError as exc:
+        need(False, f"edge.trusted_proxies: {exc}")
 
     r = c.retry
     need(r.max_attempts >= 1, "retry.max_attempts: expected >= 1")

@@ -29,6 +29,7 @@ class Received:
     body: dict[str, Any]
     raw: bytes
     headers: dict[str, str]
+    header_list: list[tuple[str, str]] = field(default_factory=list)  # every one, in order
 
 
 @dataclass
@@ -93,7 +94,9 @@ def make_engine(script: EngineScript) -> Starlette:
     async def generate(request: Request) -> Response:
         raw = await request.body()
         body = json.loads(raw)
-        script.received.append(Received(request.url.path, body, raw, dict(request.headers)))
+        script.received.append(
+            Received(request.url.path, body, raw, dict(request.headers), request.headers.items())
+        )
         if script.fail_status is not None and script.fail_times != 0:
             script.fail_times -= 1
             return JSONResponse(

@@ -84,6 +84,7 @@ async def rig(
         cfg = router_config(workers, **config)
         idx = index if index is not None else ScriptedIndex()
         app = create_app(cfg, index=idx)
-        url = await stack.enter_async_context(serve(app, loop="asyncio"))
+        # as `kvroute serve` runs it: uvicorn must not rewrite the peer from X-Forwarded-For
+        url = await stack.enter_async_context(serve(app, loop="asyncio", proxy_headers=False))
         client = await stack.enter_async_context(httpx.AsyncClient(base_url=url, timeout=10))
         yield Rig(url, client, scripts, urls, app.state.kvroute, idx, servers)

@@ -30,7 +30,10 @@ from kvroute.router.fleet.loop_stall import LoopStalls, wait_own_time
 
 
 class UpstreamError(Exception):
-    pass
+    """`sent`: the request had been written to the engine when this happened, so the engine
+    may be running it (a generation must not be sent again)."""
+
+    sent = False
 
 
 class UpstreamConnectError(UpstreamError):
@@ -39,6 +42,10 @@ class UpstreamConnectError(UpstreamError):
 
 class UpstreamTimeout(UpstreamError):
     pass
+
+
+class UpstreamPoolTimeout(UpstreamError):
+    """No pooled connection came free within the pool-wait timeout (the router is busy)."""
 
 
 _HIGH_WATER = 1 << 16  # bytes buffered per response before reading pauses
@@ -352,6 +359,7 @@ class Http1Pool:
         read_idle_s: float,
         keepalive_s: float = 60.0,
         stalls: LoopStalls | None = None,
+        wait_s: float = 5.0,
     ) -> None:
         if limit < 1:
             raise ValueError("limit must be >= 1")
@@ -360,6 +368,7 @@ class Http1Pool:
         self._connect_s = connect_s
         self._read_idle_s = read_idle_s
         self._keepalive_s = keepalive_s
+        self._wait_s = wait_s  # longest wait for a free connection slot
         self._stalls = stalls  # the connect timeout does not count this loop's own stalls
         self._idle: dict[tuple[str, int], list[_Connection]] = {}
         self._open = 0  # connections counted against the limit (connecting, busy or idle)
@@ -389,6 +398,10 @@ class Http1Pool:
         try:
             conn.send(resp, data, self._read_idle_s)
             await resp._head
+        except UpstreamError as exc:
+            exc.sent = True  # written (or being written): the engine may have it
+            resp.abort()
+            raise
         except BaseException:
             resp.abort()
             raise
@@ -412,9 +425,11 @@ class Http1Pool:
                 break
             waiter = self.loop.create_future()
             self._waiters.append(waiter)
+            timer = self.loop.call_later(self._wait_s, _expire, waiter, self._wait_s)
             try:
                 await waiter
             finally:
+                timer.cancel()
                 if waiter in self._waiters:
                     self._waiters.remove(waiter)
         return await self._connect(key)
@@ -490,6 +505,13 @@ class Http1Pool:
         for waiter in self._waiters:
             if not waiter.done():
                 waiter.set_result(None)
+
+
+def _expire(waiter: asyncio.Future[None], wait_s: float) -> None:
+    if not waiter.done():  # a slot handed over first wins
+        waiter.set_exception(
+            UpstreamPoolTimeout(f"no upstream connection free within {wait_s:g} s")
+        )
 
 
 def _encode(method: str, target: _Target, headers: Headers, body: bytes) -> bytes:

@@ -14,7 +14,8 @@ from typing import Any
 
 import msgspec
 
-from kvroute.router.edge.errors import INVALID_FIELD, INVALID_JSON, RouterError
+from kvroute.router.edge.errors import INVALID_FIELD, RouterError
+from kvroute.router.edge.json_input import decode_object
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -38,10 +39,10 @@ _DROP = frozenset(
         b"proxy-authenticate",
         b"accept-encoding",  # the router reads usage from bodies; keep them uncompressed
         b"expect",
+        b"x-data-parallel-rank",  # which engine rank serves a request is the router's choice
     }
 )
-
-_decoder = msgspec.json.Decoder()
+_FORWARDED_PREFIX = b"x-forwarded-"
 
 
 @dataclass(slots=True)
@@ -57,26 +58,38 @@ class ClientRequest:
     header_map: dict[str, str]  # lower-cased, for lookups (session header)
 
 
-def forward_headers(raw_headers: Iterable[tuple[bytes, bytes]]) -> list[tuple[str, str]]:
+def forward_headers(
+    raw_headers: Iterable[tuple[bytes, bytes]], trusted_peer: bool = False
+) -> list[tuple[str, str]]:
+    """The client's headers the engine may see: no hop-by-hop headers (the fixed set and any
+    the client names in `Connection:`), no x-kvroute-* and no `x-data-parallel-rank` (the
+    router sets that one itself), and X-Forwarded-* / Forwarded only from a `trusted_peer`."""
+    headers = list(raw_headers)
+    named = {
+        token.strip().lower()
+        for name, value in headers
+        if name.lower() == b"connection"
+        for token in value.split(b",")
+    }
     out = []
-    for name, value in raw_headers:
+    for name, value in headers:
         lname = name.lower()
-        if lname in _DROP or lname.startswith(INTERNAL_PREFIX):
+        if lname in _DROP or lname in named or lname.startswith(INTERNAL_PREFIX):
+            continue
+        if not trusted_peer and (lname.startswith(_FORWARDED_PREFIX) or lname == b"forwarded"):
             continue
         out.append((lname.decode("latin-1"), value.decode("latin-1")))
     return out
 
 
 def parse_request(
-    endpoint: str, raw: bytes, raw_headers: Iterable[tuple[bytes, bytes]]
+    endpoint: str,
+    raw: bytes,
+    raw_headers: Iterable[tuple[bytes, bytes]],
+    trusted_peer: bool = False,
 ) -> ClientRequest:
     """Decode and check a request body; raises RouterError (400) with the offending param."""
-    try:
-        body = _decoder.decode(raw)
-    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
-        raise RouterError(INVALID_JSON, f"request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise RouterError(INVALID_JSON, "request body must be a JSON object")
+    body = decode_object(raw)
     model = body.get("model")
     if model is not None and (not isinstance(model, str) or not model):
         raise _bad("model", "must be a non-empty string")
@@ -103,7 +116,7 @@ def parse_request(
     if user is not None and not isinstance(user, str):
         raise _bad("user", "must be a string")
     _check_prompt(endpoint, body)
-    headers = forward_headers(raw_headers)
+    headers = forward_headers(raw_headers, trusted_peer)
     return ClientRequest(
         endpoint=endpoint,
         body=body,

@@ -21,13 +21,15 @@ from typing import Any
 
 from kvroute.ratelog import RateLimitedLog
 from kvroute.router.config import RouterConfig
+from kvroute.router.edge.body import BodyBudget, BodyReader, ClientGone
 from kvroute.router.edge.chat_answer import AnswerTap, answer_of_response
 from kvroute.router.edge.chat_as_completion import ChatStream, chat_response, completion_body
 from kvroute.router.edge.errors import (
+    DEADLINE,
     MID_STREAM,
     NO_WORKER,
     OVERLOADED,
-    TOO_LARGE,
+    POOL_WAIT,
     UPSTREAM,
     UPSTREAM_TIMEOUT,
     RouterError,
@@ -37,6 +39,7 @@ from kvroute.router.edge.errors import (
 from kvroute.router.edge.openai_request import (
     CHAT,
     COMPLETIONS,
+    EMBEDDINGS,
     RESPONSES,
     ClientRequest,
     parse_request,
@@ -44,9 +47,12 @@ from kvroute.router.edge.openai_request import (
 )
 from kvroute.router.edge.retry import Backoff, RetryBudget, retryable_status
 from kvroute.router.edge.sse import SseFilter, Usage, usage_from_json
+from kvroute.router.edge.trust import TrustedPeers, peer_of
 from kvroute.router.edge.upstream import (
     Upstream,
     UpstreamConnectError,
+    UpstreamError,
+    UpstreamPoolTimeout,
     UpstreamResponse,
     UpstreamTimeout,
 )
@@ -101,10 +107,51 @@ class _Failure:
     cause: str  # metric label: connect, timeout, 429, 5xx
     error: RouterError | None  # what to answer if no retry follows...
     upstream: tuple[int, list[tuple[bytes, bytes]], bytes] | None = None  # ...or this
+    final: bool = False  # no retry may follow (the engine may be running it, or time is up)
 
 
-class _ClientGone(Exception):
-    pass
+# Sending a request that reached the engine again could run it twice: only embeddings, which
+# generate nothing, are retried after a failure once the request was sent.
+_RETRY_AFTER_SEND = frozenset({EMBEDDINGS})
+
+
+class _StallWatch:
+    """Wraps a request's ASGI `send`: when one send has waited longer than `stall_s` for a
+    client that does not read, the handling task is cancelled (so the upstream connection is
+    dropped and freed). One timer per request, started at the first send."""
+
+    __slots__ = ("_loop", "_send", "_stall_s", "_task", "_timer", "since", "stalled")
+
+    def __init__(self, send: Send, stall_s: float) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._task = asyncio.current_task()
+        self._send = send
+        self._stall_s = stall_s
+        self._timer: asyncio.TimerHandle | None = None
+        self.since: float | None = None  # when the pending send began
+        self.stalled = False
+
+    async def send(self, message: dict[str, Any]) -> None:
+        self.since = self._loop.time()
+        if self._timer is None:
+            self._timer = self._loop.call_later(self._stall_s, self._check)
+        await self._send(message)
+        self.since = None
+
+    def _check(self) -> None:
+        since = self.since
+        waited = 0.0 if since is None else self._loop.time() - since
+        if waited >= self._stall_s and self._task is not None:
+            self.stalled = True
+            self._timer = None
+            self._task.cancel()
+            return
+        self._timer = self._loop.call_later(self._stall_s - waited, self._check)
+
+    def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
 
 # A client that disconnects is noticed by a task waiting on `receive()`. Most requests are
@@ -160,6 +207,7 @@ class Proxy:
         prompt_size: PromptSizeEstimate,
         clock: Callable[[], float] = time.monotonic,
         prefill_rate: PrefillRateEstimate | None = None,
+        bodies: BodyReader | None = None,
     ) -> None:
         self._cfg = cfg
         self._routing = routing
@@ -175,7 +223,16 @@ class Proxy:
         self._backoff = Backoff(cfg.retry)
         self._in_flight = 0
         self._seq = 0
-        self._max_body = cfg.limits.max_body_bytes
+        edge = cfg.edge
+        self.bodies = bodies or BodyReader(
+            cfg.limits.max_body_bytes,
+            BodyBudget(edge.body_bytes_in_flight),
+            edge.body_read_s,
+            cfg.timeouts.retry_after_s,
+        )
+        self._trusted = TrustedPeers(edge.trusted_proxies)
+        self._write_stall_s = edge.write_stall_s
+        self._deadline_s = edge.request_deadline_s
         self._show_headers = cfg.admin.response_headers
         self._ratelog = RateLimitedLog(log, interval_s=10.0)
         self._remember_answers = cfg.tokenizer.remember_answers
@@ -203,6 +260,9 @@ class Proxy:
         status = 500
         self._in_flight += 1
         watch: _DisconnectWatch | None = None
+        stall = _StallWatch(send, self._write_stall_s)
+        send = stall.send
+        lease = self.bodies.lease()
         try:
             if self._in_flight > self._cfg.limits.max_in_flight:
                 raise RouterError(
@@ -210,7 +270,7 @@ class Proxy:
                     "router overloaded: too many requests in flight",
                     retry_after=self._cfg.timeouts.retry_after_s,
                 )
-            raw = await self._read_body(scope, receive)
+            raw = await self.bodies.read(scope["headers"], receive, lease)
             watch = _DisconnectWatch(receive)
             status = await self._route_and_forward(path, raw, scope, send)
         except RouterError as exc:
@@ -220,47 +280,33 @@ class Proxy:
             await _send_error(send, exc)
         except asyncio.CancelledError:
             task = asyncio.current_task()
-            if watch is None or not watch.gone or task is None:
+            gone = watch is not None and watch.gone
+            if not (gone or stall.stalled) or task is None:
                 raise
             task.uncancel()
             status = 499
-            self._metrics.disconnects.inc()
-        except _ClientGone:
+            if gone:
+                self._metrics.disconnects.inc()
+            else:
+                self._metrics.child(self._metrics.errors, "write_stall").inc()
+                self._ratelog.warning(
+                    "write_stall", "%s: client read nothing for %g s", path, self._write_stall_s
+                )
+        except ClientGone:
             status = 499
             self._metrics.disconnects.inc()
         finally:
             self._in_flight -= 1
+            lease.release()
+            stall.stop()
             if watch is not None:
                 watch.stop()
             self._metrics.child(self._metrics.requests, path, str(status)).inc()
             self._metrics.child(self._metrics.duration, path).observe(time.perf_counter() - started)
 
-    async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
-        for name, value in scope["headers"]:
-            if name == b"content-length":
-                try:
-                    declared = int(value)
-                except ValueError:
-                    declared = 0
-                if declared > self._max_body:
-                    raise _too_large(self._max_body)
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                raise _ClientGone()
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self._max_body:
-                raise _too_large(self._max_body)
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-
     async def _route_and_forward(self, path: str, raw: bytes, scope: Scope, send: Send) -> int:
         routing = self._routing
-        req = parse_request(path, raw, scope["headers"])
+        req = parse_request(path, raw, scope["headers"], peer_of(scope) in self._trusted)
         route = routing.resolve_model(req)
         if not routing.any_eligible(route):
             raise RouterError(
@@ -332,21 +378,26 @@ class Proxy:
         cand = record.decision.chosen
         assert cand is not None
         retries = 0
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._deadline_s  # bounds every attempt until the first byte
         while True:
             worker = cand.worker
             tried.append(worker.name)
             record.attempts.append(worker.name)
-            result = await self._attempt(worker, cand, req, prompt, record, out, send)
+            result = await self._attempt(worker, cand, req, prompt, record, out, send, deadline)
             if isinstance(result, int):
                 return result
             failure = result
-            if retries + 1 >= self._cfg.retry.max_attempts:
+            if failure.final or retries + 1 >= self._cfg.retry.max_attempts:
                 return await self._give_up(failure, record, send)
             if not self._budget.try_spend(self._clock()):
                 self._metrics.retry_budget_exhausted.inc()
                 return await self._give_up(failure, record, send)
             retries += 1
-            await asyncio.sleep(self._backoff.delay(retries))
+            pause = self._backoff.delay(retries)
+            if loop.time() + pause >= deadline:
+                return await self._give_up(self._past_deadline(), record, send)
+            await asyncio.sleep(pause)
             route = self._routing.resolve_model(req)
             try:
                 decision = self._routing.decide(
@@ -357,6 +408,10 @@ class Proxy:
             self._metrics.child(self._metrics.retries, failure.cause).inc()
             cand = decision.chosen
             assert cand is not None
+
+    def _past_deadline(self) -> _Failure:
+        message = f"no answer within the request deadline of {self._deadline_s:g} s"
+        return _Failure("deadline", RouterError(DEADLINE, message), final=True)
 
     async def _give_up(self, failure: _Failure, record: DecisionRecord, send: Send) -> int:
         if failure.upstream is not None:
@@ -381,6 +436,7 @@ class Proxy:
         record: DecisionRecord,
         out: _Outgoing,
         send: Send,
+        deadline: float,
     ) -> int | _Failure:
         """One try on one worker: an HTTP status once the client got an answer, or a failure."""
         metrics = self._metrics
@@ -406,39 +462,50 @@ class Proxy:
         verdict = False
         try:
             try:
-                resp = await self._upstream.send("POST", worker.url + out.path, headers, out.body)
-                if resp.status == 429 or retryable_status(resp.status):
-                    data = await resp.read()
-                    resp.release()
-                    metrics.child(metrics.upstream, worker.name, f"{resp.status // 100}xx").inc()
-                    if resp.status >= 500:
-                        breaker.record_failure(self._clock())
+                async with asyncio.timeout_at(deadline):
+                    url = worker.url + out.path
+                    resp = await self._upstream.send("POST", url, headers, out.body)
+                    if resp.status == 429 or retryable_status(resp.status):
+                        data = await resp.read()
+                        resp.release()
+                        metrics.child(
+                            metrics.upstream, worker.name, f"{resp.status // 100}xx"
+                        ).inc()
+                        if resp.status >= 500:
+                            breaker.record_failure(self._clock())
+                        else:
+                            breaker.release()
+                        verdict = True
+                        cause = "429" if resp.status == 429 else "5xx"
+                        return _Failure(cause, None, (resp.status, _resp_headers(resp), data))
+                    if req.stream and resp.status == 200:
+                        if prompt.partial is not None:
+                            predicted = await self._complete(worker, cand, prompt, record)
+                        first = await resp.next_chunk()
+                        worker.load.steps.observe(self._clock())
+                        if self._prefill_rate is not None and first:
+                            self._prefill_rate.observe(
+                                cand.queued_tokens + cand.uncached, time.perf_counter() - dispatched
+                            )
                     else:
-                        breaker.release()
-                    verdict = True
-                    cause = "429" if resp.status == 429 else "5xx"
-                    return _Failure(cause, None, (resp.status, _resp_headers(resp), data))
-                if req.stream and resp.status == 200:
-                    if prompt.partial is not None:
-                        predicted = await self._complete(worker, cand, prompt, record)
-                    first = await resp.next_chunk()
-                    worker.load.steps.observe(self._clock())
-                    if self._prefill_rate is not None and first:
-                        self._prefill_rate.observe(
-                            cand.queued_tokens + cand.uncached, time.perf_counter() - dispatched
-                        )
-                else:
-                    first = await resp.read()
-            except UpstreamTimeout as exc:
+                        first = await resp.read()
+            except UpstreamPoolTimeout as exc:
+                # the router's own connections are all busy: another worker would not help
+                retry_after = self._cfg.timeouts.retry_after_s
+                error = RouterError(POOL_WAIT, str(exc), retry_after=retry_after)
+                return _Failure("pool_wait", error, final=True)
+            except UpstreamError as exc:
+                timed_out = isinstance(exc, UpstreamTimeout)
+                cause = "timeout" if timed_out else "connect"
+                metrics.child(metrics.upstream, worker.name, cause).inc()
+                breaker.record_failure(self._clock())
+                verdict = True
+                kind = UPSTREAM_TIMEOUT if timed_out else UPSTREAM
+                final = exc.sent and req.endpoint not in _RETRY_AFTER_SEND
+                return _Failure(cause, RouterError(kind, f"{worker.name}: {exc}"), final=final)
+            except TimeoutError:
                 metrics.child(metrics.upstream, worker.name, "timeout").inc()
-                breaker.record_failure(self._clock())
-                verdict = True
-                return _Failure("timeout", RouterError(UPSTREAM_TIMEOUT, f"{worker.name}: {exc}"))
-            except UpstreamConnectError as exc:
-                metrics.child(metrics.upstream, worker.name, "connect").inc()
-                breaker.record_failure(self._clock())
-                verdict = True
-                return _Failure("connect", RouterError(UPSTREAM, f"{worker.name}: {exc}"))
+                return self._past_deadline()
             # From here on the client gets this worker's answer: no more retries.
             breaker.record_success()
             verdict = True
@@ -610,10 +677,6 @@ def _single_prompt(req: ClientRequest) -> bool:
 
 def _resp_headers(resp: UpstreamResponse) -> list[tuple[bytes, bytes]]:
     return [(k, v) for k, v in resp.headers if k not in _RESPONSE_DROP]
-
-
-def _too_large(limit: int) -> RouterError:
-    return RouterError(TOO_LARGE, f"request body exceeds the limit of {limit} bytes")
 
 
 async def _send_error(send: Send, exc: RouterError) -> None:

@@ -5,7 +5,9 @@ httptools, a fraction of aiohttp's CPU per request; compared side by side by
 bench/http_client_bench.py). Probes, metrics scrapes and render calls, which are few and
 want total timeouts, use an aiohttp session. Failures are mapped to two exceptions the proxy
 understands: `UpstreamConnectError` (nothing was sent or the connection broke before a
-response) and `UpstreamTimeout` (the engine went silent for longer than `read_idle_s`).
+response) and `UpstreamTimeout` (the engine went silent for longer than `read_idle_s`), each
+saying whether the request had been `sent`; `UpstreamPoolTimeout` when no pooled connection
+came free in time.
 Connect and total timeouts do not count stalls of the router's own event loop
 (kvroute/router/fleet/loop_stall.py): a worker is not charged for the router's slowness.
 """
@@ -22,6 +24,7 @@ from kvroute.router.edge.http1 import (
     Http1Pool,
     UpstreamConnectError,
     UpstreamError,
+    UpstreamPoolTimeout,
     UpstreamResponse,
     UpstreamTimeout,
 )
@@ -31,6 +34,7 @@ __all__ = [
     "Upstream",
     "UpstreamConnectError",
     "UpstreamError",
+    "UpstreamPoolTimeout",
     "UpstreamResponse",
     "UpstreamTimeout",
 ]
@@ -42,9 +46,12 @@ _ENGINE_IDLE_S = 4.0
 
 
 class Upstream:
-    def __init__(self, timeouts: TimeoutsConfig, limits: LimitsConfig) -> None:
+    def __init__(
+        self, timeouts: TimeoutsConfig, limits: LimitsConfig, pool_wait_s: float = 5.0
+    ) -> None:
         self._timeouts = timeouts
         self._limits = limits
+        self._pool_wait_s = pool_wait_s
         self._session: aiohttp.ClientSession | None = None
         self._pool: Http1Pool | None = None
         self.stalls = LoopStalls()  # the router's own stalls, kept out of worker timeouts
@@ -56,6 +63,7 @@ class Upstream:
             read_idle_s=self._timeouts.read_idle_s,
             keepalive_s=_ENGINE_IDLE_S,
             stalls=self.stalls,
+            wait_s=self._pool_wait_s,
         )
         connector = aiohttp.TCPConnector(
             limit=self._limits.upstream_connections,

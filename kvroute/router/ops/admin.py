@@ -12,7 +12,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import msgspec
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -22,12 +21,12 @@ from kvroute.router.edge.body import read_bounded
 from kvroute.router.edge.errors import (
     FORBIDDEN,
     INVALID_FIELD,
-    INVALID_JSON,
     NOT_FOUND,
     UNAUTHORIZED,
     RouterError,
     error_response,
 )
+from kvroute.router.edge.json_input import decode_json
 from kvroute.router.edge.openai_request import CHAT, COMPLETIONS, RESPONSES, parse_request
 from kvroute.router.fleet.event_subscriptions import EventSubscriptions
 from kvroute.router.fleet.verify import Verifier
@@ -98,19 +97,13 @@ class Admin:
 
     async def _json(self, request: Request) -> Any:
         raw = await read_bounded(request, _MAX_ADMIN_BODY)
-        try:
-            return msgspec.json.decode(raw)
-        except (msgspec.DecodeError, UnicodeDecodeError) as exc:
-            raise RouterError(INVALID_JSON, f"request body is not valid JSON: {exc}") from None
+        return decode_json(raw)
 
     # -- explain --------------------------------------------------------------------------
     async def score(self, request: Request) -> Response:
         """Per-worker predicted reuse, load and cost for an OpenAI body; the would-be choice."""
         raw = await read_bounded(request, _MAX_ADMIN_BODY)
-        try:
-            probe = msgspec.json.decode(raw)
-        except (msgspec.DecodeError, UnicodeDecodeError) as exc:
-            raise RouterError(INVALID_JSON, f"request body is not valid JSON: {exc}") from None
+        probe = decode_json(raw)
         endpoint = request.query_params.get("endpoint") or _guess_endpoint(probe)
         req = parse_request(endpoint, raw, request.scope["headers"])
         routing = self._routing

@@ -425,7 +425,7 @@ def _tool_calls(calls: Any) -> list[Any] | None:
         if args:
             try:
                 parsed = json.loads(args)
-            except json.JSONDecodeError:
+            except (ValueError, RecursionError):  # not JSON, a huge integer, deep nesting
                 parsed = None
         # vLLM keeps the conversation going with {} when arguments are not a JSON object.
         fn["arguments"] = parsed if isinstance(parsed, dict) else {}

@@ -1,0 +1,89 @@
+"""A real `kvroute serve` in front of a simulated fleet (`kvroute sim fleet`), attacked over
+loopback with more slow uploads than max_in_flight: a fresh request must get an answer
+quickly throughout and a 200 soon after (kvroute/testbed/edge_attacks.py holds the attacks)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvroute.testbed import edge_attacks as atk
+from kvroute.testbed.procs import ProcessGroup, free_port, wait_http
+from kvroute.testbed.sim_fleet import start_fleet
+
+MIB = 1 << 20
+# the edge bounds of the router under attack (small, so a short test reaches them)
+LIMITS = {
+    "KVROUTE_LIMITS__MAX_IN_FLIGHT": "16",
+    "KVROUTE_LIMITS__MAX_BODY_BYTES": str(9 * MIB),
+    "KVROUTE_LIMITS__UPSTREAM_CONNECTIONS": "4",
+    "KVROUTE_EDGE__BODY_BYTES_IN_FLIGHT": str(16 * MIB),
+    "KVROUTE_EDGE__BODY_READ_S": "1.0",
+    "KVROUTE_EDGE__POOL_WAIT_S": "1.0",
+    "KVROUTE_EDGE__WRITE_STALL_S": "1.0",
+    "KVROUTE_EDGE__LIMIT_CONCURRENCY": "64",
+}
+
+
+@dataclass
+class Served:
+    url: str
+    host: str
+    port: int
+    pid: int
+    model: str
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    run_dir = tmp_path_factory.mktemp("edge")
+    with ProcessGroup(run_dir) as pg:
+        fleet = start_fleet(
+            pg,
+            workers=2,
+            profile="dense",
+            run_dir=run_dir,
+            extra_args=["--speed", "1000", "--max-model-len", "65536", "--num-blocks", "32768"],
+        )
+        cfg = yaml.safe_load(Path(fleet.config_path).read_text())
+        cfg["health"] = {"interval_s": 0.5}
+        config = run_dir / "router.yaml"
+        config.write_text(yaml.safe_dump(cfg))
+        port = free_port()
+        cmd = [sys.executable, "-m", "kvroute", "serve", "--config", str(config)]
+        cmd += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
+        env = {**LIMITS, "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
+        child = pg.start("router", cmd, env=env)
+        url = f"http://127.0.0.1:{port}"
+        wait_http(url + "/health", 60.0, child.popen)
+        yield Served(url, "127.0.0.1", port, child.popen.pid, fleet.model)
+
+
+def _metric(url: str, name: str, label: str) -> float:
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name + "{") and label in line
+    )
+
+
+def test_slow_uploads_beyond_max_in_flight(served: Served) -> None:
+    chat = served.url + "/v1/chat/completions"
+    body = atk.chat_body(served.model)
+    with atk.slow_uploads(served.host, served.port, 24, "/v1/chat/completions") as socks:
+        fresh = atk.post(chat, body, timeout_s=3.0)
+        assert fresh.status in (200, 503) and fresh.seconds < 2.0  # an answer, at once
+        statuses = [atk.answered(s, 3.0) for s in socks]
+    assert statuses.count(408) >= 16 - 1, statuses  # the ones admitted: read deadline
+    assert set(statuses) <= {408, 503}, statuses
+    ok, _ = atk.first_ok_within(chat, body, 3.0)
+    assert ok.status == 200

@@ -48,6 +48,7 @@ from kvroute.router.ops import dashboard
 from kvroute.router.ops.admin import Admin
 from kvroute.router.ops.decisions import DecisionLog
 from kvroute.router.ops.metrics import RouterMetrics, ScalarGauge
+from kvroute.router.ops.probes import Probes
 from kvroute.router.routing.index_view import IndexView
 from kvroute.router.routing.pipeline import Routing, TokenizerLike
 from kvroute.router.routing.policy import LoadModel, Policy, SessionPicker, make_policy
@@ -311,6 +312,12 @@ def create_app(
         registry, upstream, metrics, cfg.limits.max_body_bytes, cfg.timeouts.retry_after_s, clock
     )
 
+    probes = Probes(
+        registry,
+        [*cfg.models, *(w.model for w in cfg.workers if w.model)],
+        clock,
+    )
+
     async def metrics_endpoint(request: Request) -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -324,6 +331,7 @@ def create_app(
         Route("/detokenize", passthrough.forward, methods=["POST"]),
         Route("/health", passthrough.health, methods=["GET"]),
         Route("/metrics", metrics_endpoint, methods=["GET"]),
+        *probes.routes(),
         *admin.routes(),
         *dashboard.routes(),
     ]

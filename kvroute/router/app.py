@@ -49,6 +49,7 @@ from kvroute.router.ops import dashboard
 from kvroute.router.ops.admin import Admin
 from kvroute.router.ops.decisions import DecisionLog
 from kvroute.router.ops.metrics import RouterMetrics, ScalarGauge
+from kvroute.router.ops.probes import Probes
 from kvroute.router.routing.index_view import IndexView
 from kvroute.router.routing.pipeline import Routing, TokenizerLike
 from kvroute.router.routing.policy import LoadModel, Policy, make_policy
@@ -312,6 +313,12 @@ def create_app(
         TrustedPeers(cfg.edge.trusted_proxies),
     )
 
+    probes = Probes(
+        registry,
+        [*cfg.models, *(w.model for w in cfg.workers if w.model)],
+        clock,
+    )
+
     async def metrics_endpoint(request: Request) -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -325,6 +332,7 @@ def create_app(
         Route("/detokenize", passthrough.forward, methods=["POST"]),
         Route("/health", passthrough.health, methods=["GET"]),
         Route("/metrics", metrics_endpoint, methods=["GET"]),
+        *probes.routes(),
         *admin.routes(),
         *dashboard.routes(),
     ]

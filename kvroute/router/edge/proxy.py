@@ -62,7 +62,7 @@ from kvroute.router.fleet.verify import Verifier
 from kvroute.router.fleet.workers import Worker, WorkerRegistry
 from kvroute.router.ops.decisions import DecisionLog, DecisionRecord
 from kvroute.router.ops.metrics import RouterMetrics
-from kvroute.router.routing.pipeline import Prompt, Routing
+from kvroute.router.routing.pipeline import AnswerTarget, Prompt, Routing
 from kvroute.router.routing.policy import Candidate
 
 log = logging.getLogger("kvroute.router.proxy")
@@ -90,14 +90,14 @@ _JSON = [(b"content-type", b"application/json")]
 class _Outgoing:
     """What goes to the engine: the path and body, whether the router added stream usage the
     client did not ask for, whether a completion answer must be turned into a chat one
-    (`chat_as_completion`), and the model whose tokenizer keeps the answer's text for the
+    (`chat_as_completion`), and the tokenizer and tenant that keep the answer's text for the
     conversation's next turn (`tokenizer.remember_answers`; None: not kept)."""
 
     path: str
     body: bytes
     inject_usage: bool
     as_chat: bool = False
-    keep_answer_for: str | None = None
+    keep_answer_for: AnswerTarget | None = None
 
 
 @dataclass(slots=True)
@@ -336,7 +336,7 @@ class Proxy:
             body = with_stream_usage(req.body, req.raw) if inject_usage else req.raw
             out = _Outgoing(req.endpoint, body, inject_usage)
         if self._remember_answers:
-            out = replace(out, keep_answer_for=routing.answer_model(req, route, prompt))
+            out = replace(out, keep_answer_for=routing.answer_target(req, route, prompt))
         record.upstream_endpoint = out.path
         if inject_usage:
             self._metrics.usage_injected.inc()

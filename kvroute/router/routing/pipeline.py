@@ -30,6 +30,7 @@ from kvroute.router.routing.policy import (
     session_key,
 )
 from kvroute.router.routing.prefix_sharing import PrefixSharing
+from kvroute.router.tokenize.prefix_cache import tenant_key
 
 log = logging.getLogger("kvroute.router.routing")
 
@@ -61,13 +62,27 @@ class TokenizerLike(Protocol):
         worker_url_for_render: str | Callable[[], str | None] | None,
         *,
         partial_min_chars: int = 0,
+        tenant: bytes = b"",
     ) -> TokenizedLike | None: ...
 
     async def finish(self, partial: Any) -> TokenizedLike | None: ...
 
     def remember_answer(
-        self, model: str, body: Mapping[str, Any], answer_of: Callable[[], str | None]
+        self,
+        model: str,
+        body: Mapping[str, Any],
+        answer_of: Callable[[], str | None],
+        tenant: bytes = b"",
     ) -> bool: ...
+
+
+@dataclass(frozen=True, slots=True)
+class AnswerTarget:
+    """Whose prefix-cache entries a chat answer goes to: the base model's tokenizer, under
+    the request's tenant (`prefix_cache.tenant_key`)."""
+
+    model: str
+    tenant: bytes
 
 
 @dataclass(slots=True)
@@ -197,6 +212,7 @@ class Routing:
                 req.body,
                 lambda: self._render_worker(route),
                 partial_min_chars=self._partial_min_chars if partial else 0,
+                tenant=tenant_key(route.lora_name, req.cache_salt),
             )
         except ValueError as exc:  # kvroute.router.tokenize.TokenizeError subclasses ValueError
             raise RouterError(TOKENIZE, str(exc), param=getattr(exc, "param", None)) from None
@@ -231,19 +247,21 @@ class Routing:
         prompt.n_tokens = len(whole.token_ids)
         return True
 
-    def answer_model(self, req: ClientRequest, route: ModelRoute, prompt: Prompt) -> str | None:
-        """The tokenizer model whose prefix cache can use this request's answer for the
-        conversation's next turn: chat prompts it tokenized itself and vLLM caches."""
+    def answer_target(
+        self, req: ClientRequest, route: ModelRoute, prompt: Prompt
+    ) -> AnswerTarget | None:
+        """Where this request's answer can serve the conversation's next turn: chat prompts
+        the router tokenized itself and vLLM caches, under the request's tenant."""
         if req.endpoint != CHAT or prompt.source != "local" or not prompt.cacheable:
             return None
-        return route.base
+        return AnswerTarget(route.base, tenant_key(route.lora_name, req.cache_salt))
 
     def remember_answer(
-        self, model: str, body: Mapping[str, Any], answer_of: Callable[[], str | None]
+        self, target: AnswerTarget, body: Mapping[str, Any], answer_of: Callable[[], str | None]
     ) -> bool:
-        """Have `model`'s tokenizer encode the conversation with its answer (`answer_of()`,
+        """Have the target's tokenizer encode the conversation with its answer (`answer_of()`,
         read in the background) for the next turn; see `Tokenizers.remember_answer`."""
-        return self._tokenizers.remember_answer(model, body, answer_of)
+        return self._tokenizers.remember_answer(target.model, body, answer_of, tenant=target.tenant)
 
     def _render_worker(self, route: ModelRoute) -> str | None:
         workers = self.eligible(route)

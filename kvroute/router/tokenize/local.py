@@ -20,7 +20,7 @@ from kvroute.router.tokenize.chat_request import (
 from kvroute.router.tokenize.encoder import TextEncoder
 from kvroute.router.tokenize.errors import TokenizeError
 from kvroute.router.tokenize.model_dir import ModelFiles, load_model_dir
-from kvroute.router.tokenize.prefix_cache import Lookup, PrefixCache
+from kvroute.router.tokenize.prefix_cache import Lookup, PrefixCache, tenant_seed
 from kvroute.router.tokenize.spec import TokenizerSpec
 from kvroute.router.tokenize.template import (
     ChatTemplate,
@@ -159,18 +159,19 @@ class LocalTokenizer:
         encode: PieceEncoder | None = None,
         lookup: Lookup | None = None,
         shared_end: int | None = None,
+        tenant: bytes = b"",
     ) -> tuple[list[int], EncodeStats]:
         """Ids of `text` (from the prefix cache where possible), bounded by the spec.
         `lookup`: `cached_prefix(text)` if the caller already made it (not made again; a hit's
         ids stay right even if its entry was evicted since). `shared_end`: where the text's
         first message ends (`first_message_end`); a text the cache knows nothing of is then
         also remembered through the first cut after it, for other conversations that open
-        with the same message."""
+        with the same message. `tenant` (`prefix_cache.tenant_key`): whose entries are used."""
         self.check_length(text)
         enc = encode or self.encoder.encode_pieces
         try:
             ids, stats = (
-                self._ids_cached(text, enc, lookup or self.cached_prefix(text), shared_end)
+                self._ids_cached(text, enc, lookup or self.cached_prefix(text, tenant), shared_end)
                 if self._cache_enabled
                 else self._ids_plain(text, enc)
             )
@@ -188,7 +189,7 @@ class LocalTokenizer:
             )
         return ids, stats
 
-    def remember_answer(self, body: Mapping[str, Any], answer: str) -> int:
+    def remember_answer(self, body: Mapping[str, Any], answer: str, tenant: bytes = b"") -> int:
         """Put the ids of `body`'s conversation followed by the assistant's `answer` into the
         prefix cache, so that the client's next turn (which sends the answer back) encodes
         only its own new message. Returns how many tokens were encoded (0: nothing to do).
@@ -197,7 +198,8 @@ class LocalTokenizer:
         message; the text before the placeholder does not depend on it, and it is tokenized
         through the prefix cache as any prompt is (`_ids_cached` remembers its last cut, a
         guard region before that point). Exactness does not depend on the guess: a later
-        text reuses an entry only if it starts with the same characters (see `prefix_cache`)."""
+        text reuses an entry only if it starts with the same characters (see `prefix_cache`).
+        The entries are `tenant`'s (`prefix_cache.tenant_key`)."""
         messages = body.get("messages")
         if not self._cache_enabled or not answer or not isinstance(messages, list):
             return 0
@@ -217,7 +219,7 @@ class LocalTokenizer:
             return 0
         text = text[:known]
         self.check_length(text)
-        lookup = self.cached_prefix(text)
+        lookup = self.cached_prefix(text, tenant)
         start = lookup.hit.anchor if lookup.hit is not None else 0
         if self.encoder.cache_anchor(text, start) is None:
             return 0  # the cache already reaches as far as it could
@@ -233,12 +235,13 @@ class LocalTokenizer:
         """Ids for a completions body whose prompt is text (ids prompts are handled earlier)."""
         return self.text_ids(*self.completion_text(body), encode)
 
-    def cached_prefix(self, text: str) -> Lookup:
-        """The longest start of `text` whose ids the prefix cache knows (one hashing pass over
-        the text; no hit when the cache is off). Pass it on to `text_ids`."""
+    def cached_prefix(self, text: str, tenant: bytes = b"") -> Lookup:
+        """The longest start of `text` whose ids the prefix cache knows among `tenant`'s
+        entries (one hashing pass over the text; no hit when the cache is off). Pass it on to
+        `text_ids`, whose inserts then file under the same tenant."""
         if not self._cache_enabled:
             return Lookup([], None)
-        digests = self.cache.digests(text, self._cache_seed)
+        digests = self.cache.digests(text, tenant_seed(self._cache_seed, tenant))
         return Lookup(digests, self.cache.lookup(text, digests))
 
     @property

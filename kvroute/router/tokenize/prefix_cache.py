@@ -15,10 +15,15 @@ the longest usable prefix. Cost per lookup: one hashing pass and one dict probe 
 
 Bounded by entries and by bytes (ids are stored as 4-byte arrays); least recently used entries
 are evicted first. Thread-safe.
+
+Tenants are kept apart by the digests' seed: a request's `cache_salt` and LoRA adapter name
+(`tenant_key`) derive it, so the same text of two tenants files two entries and one tenant's
+look-up can never hit (nor be timed against) another's.
 """
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from array import array
 from collections import OrderedDict
@@ -75,6 +80,25 @@ def chunk_digests(text: str, chunk: int = CHUNK_CHARS, seed: int = 0) -> list[in
         h.update(text[start : start + chunk].encode("utf-8", "surrogatepass"))
         out.append(h.intdigest())
     return out
+
+
+def tenant_key(lora_name: str, cache_salt: str) -> bytes:
+    """What keeps one tenant's entries apart from another's: b"" for an unsalted request on a
+    base model (those share entries, as the engine shares their KV cache)."""
+    if not lora_name and not cache_salt:
+        return b""
+    lora = lora_name.encode("utf-8", "surrogatepass")
+    return b"%d:%s%s" % (len(lora), lora, cache_salt.encode("utf-8", "surrogatepass"))
+
+
+def tenant_seed(seed: int, tenant: bytes) -> int:
+    """The digest seed of `tenant`'s texts under a tokenizer's `seed` (`seed` itself for the
+    shared tenant b""). A keyed BLAKE2b, so a tenant who does not know another's salt cannot
+    pick a text whose digests collide with that tenant's entries."""
+    if not tenant:
+        return seed
+    key = seed.to_bytes(8, "little", signed=False)
+    return int.from_bytes(hashlib.blake2b(tenant, digest_size=8, key=key).digest(), "little")
 
 
 class PrefixCache:

@@ -125,6 +125,7 @@ class Tokenizers:
         worker_url_for_render: RenderUrl,
         *,
         partial_min_chars: int = 0,
+        tenant: bytes = b"",
     ) -> TokenizedPrompt | None:
         """The ids the engine will prefill for this request, or None when they cannot be known
         (the router then routes without cache evidence). Raises TokenizeError when the request
@@ -133,7 +134,10 @@ class Tokenizers:
         With `partial_min_chars` > 0, a locally tokenized prompt whose start is in the prefix
         cache and whose rest is at least that many characters comes back partial: the exact
         ids of the start, and `pending` for `finish` (so a multi-turn request can be routed
-        before its new turn is encoded)."""
+        before its new turn is encoded).
+
+        `tenant` (`prefix_cache.tenant_key` of the request's LoRA name and cache_salt) selects
+        the prefix-cache entries the request may use and add to: never another tenant's."""
         key = self._key(model)
         spec = self._specs.get(model, self._default)
         if spec is None:
@@ -142,7 +146,7 @@ class Tokenizers:
         started = time.perf_counter()
         try:
             result = await self._token_ids(
-                key, spec, endpoint, body, worker_url_for_render, partial_min_chars
+                key, spec, endpoint, body, worker_url_for_render, partial_min_chars, tenant
             )
         except TokenizeError as exc:
             self._metrics.results.labels(key, "client_error").inc()
@@ -178,6 +182,7 @@ class Tokenizers:
         body: Mapping[str, Any],
         worker_url: RenderUrl,
         partial_min_chars: int = 0,
+        tenant: bytes = b"",
     ) -> TokenizedPrompt:
         local = await self._local_for(key, spec) if spec.mode == "local" else None
         vocab = local.vocab_size if local is not None else spec.vocab_size
@@ -213,7 +218,7 @@ class Tokenizers:
         # runs here when it is small (a multi-turn request adds one turn) and in the pool
         # when it would stall the loop. The hop costs more than a short encode.
         text, add_special = self._local_text(local, endpoint, body)
-        lookup = local.cached_prefix(text)
+        lookup = local.cached_prefix(text, tenant)
         hit = lookup.hit
         # add_special_tokens may append tokens at the end: only whole prompts then
         if hit is not None and not add_special:
@@ -249,7 +254,11 @@ class Tokenizers:
         return TokenizedPrompt(ids, "local")
 
     def remember_answer(
-        self, model: str, body: Mapping[str, Any], answer_of: Callable[[], str | None]
+        self,
+        model: str,
+        body: Mapping[str, Any],
+        answer_of: Callable[[], str | None],
+        tenant: bytes = b"",
     ) -> bool:
         """Encode, in the background, `body`'s conversation with the assistant's answer
         (`answer_of()`, called there too: taking the text out of a relayed stream is work the
@@ -257,7 +266,7 @@ class Tokenizers:
         the next turn's encode, which is on the request's critical path, covers only its new
         message. Returns False when it is not done: no local tokenizer for the model, or too
         many answers waiting (`_ANSWERS_WAITING`; they have one thread of their own, apart
-        from the pool that requests wait for)."""
+        from the pool that requests wait for). The entries are `tenant`'s, as in `token_ids`."""
         key = self._key(model)
         local = self._local.get(key)
         if not isinstance(local, LocalTokenizer) or not local.cache_enabled:
@@ -265,7 +274,9 @@ class Tokenizers:
         if len(self._answer_tasks) >= _ANSWERS_WAITING:
             self._metrics.child(self._metrics.answers, key, "busy").inc()
             return False
-        task = asyncio.get_running_loop().create_task(self._remember(key, local, body, answer_of))
+        task = asyncio.get_running_loop().create_task(
+            self._remember(key, local, body, answer_of, tenant)
+        )
         self._answer_tasks.add(task)
         task.add_done_callback(self._answer_tasks.discard)
         return True
@@ -276,6 +287,7 @@ class Tokenizers:
         local: LocalTokenizer,
         body: Mapping[str, Any],
         answer_of: Callable[[], str | None],
+        tenant: bytes,
     ) -> None:
         m = self._metrics
         if self._answer_executor is None:
@@ -283,7 +295,7 @@ class Tokenizers:
         loop = asyncio.get_running_loop()
         try:
             encoded = await loop.run_in_executor(
-                self._answer_executor, partial(_remember_answer, local, body, answer_of)
+                self._answer_executor, partial(_remember_answer, local, body, answer_of, tenant)
             )
         except Exception as exc:  # a cache warmer must never fail anything; counted, logged
             m.child(m.answers, key, "error").inc()
@@ -398,8 +410,11 @@ class Tokenizers:
 
 
 def _remember_answer(
-    local: LocalTokenizer, body: Mapping[str, Any], answer_of: Callable[[], str | None]
+    local: LocalTokenizer,
+    body: Mapping[str, Any],
+    answer_of: Callable[[], str | None],
+    tenant: bytes,
 ) -> int:
     """On the answer thread: the answer's text, then its ids into the cache (tokens encoded)."""
     answer = answer_of()
-    return local.remember_answer(body, answer) if answer else 0
+    return local.remember_answer(body, answer, tenant) if answer else 0

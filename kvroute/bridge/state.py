@@ -32,6 +32,10 @@ attribution is a `CopyTable`, an open-addressing table of key -> slot arrays (12
 slot) instead of a dict of bytes objects (tests/bridge/test_bridge_state_model.py checks
 the state against a small model of these promises).
 
+Building a snapshot of a large state takes a while, so `snapshot_steps` builds the same
+message in bounded steps and serialized pieces, for a caller that keeps the state unchanged
+meanwhile (kvroute.bridge.stream).
+
 Bounds: `max_blocks` live copies (beyond it the oldest records are dropped and counted: a
 late subscriber then sees less than the engine holds, never more), `max_lineage_blocks`
 blocks kept as lineage only (beyond it the oldest lineage is dropped and counted: runs
@@ -41,12 +45,13 @@ below it are then unplaced in a snapshot, a lower answer) and `max_groups` group
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable
+from collections.abc import Generator, Iterable, Iterator
 from typing import Any, Final, TypeAlias
 
 from kvroute.bridge import packed_tokens
 from kvroute.bridge.copy_table import MAX_SLOT, CopyTable, Key, hash_of, hashes_of, key_of, keys_of
-from kvroute.proto.events_pb2 import KvEventBatch, KvGroupEvent, Snapshot
+from kvroute.bridge.groups import Groups, with_invalid_before
+from kvroute.proto.events_pb2 import KvEventBatch, KvGroupEvent, Snapshot, SubscribeResponse
 
 STORE: Final = KvGroupEvent.STORE
 REMOVE: Final = KvGroupEvent.REMOVE
@@ -56,6 +61,8 @@ INVALID: Final = KvGroupEvent.INVALID
 DEFAULT_MAX_BLOCKS: Final = 2_000_000
 DEFAULT_MAX_LINEAGE_BLOCKS: Final = 2_000_000
 DEFAULT_MAX_GROUPS: Final = 64
+# Blocks of work per step of a snapshot build (about a millisecond), and per serialized piece.
+DEFAULT_STEP_BLOCKS: Final = 512
 _MAX_INTERNED_META: Final = 4096
 
 
@@ -130,15 +137,6 @@ class _Record:
 _Run: TypeAlias = "tuple[_Record, int, int, _Keys]"
 
 
-class _Group:
-    __slots__ = ("block_size", "kind", "window")
-
-    def __init__(self, kind: str, window: int, block_size: int) -> None:
-        self.kind = kind
-        self.window = window
-        self.block_size = block_size
-
-
 class StateStats:
     """Counters (read by metrics)."""
 
@@ -181,7 +179,7 @@ class EngineState:
         self.max_lineage_blocks = max_lineage_blocks
         self.stats = StateStats()
         self.last_sequence: int | None = None
-        self._groups: dict[int, _Group] = {}
+        self._groups = Groups(max_groups)
         self._meta: dict[tuple[int, int, str, int, str, bool], _Meta] = {}
         # slot -> record with live copies, in arrival order (a dict keeps it, deletes O(1);
         # a record appended to moves to the end)
@@ -202,7 +200,7 @@ class EngineState:
     @property
     def groups(self) -> dict[int, tuple[str, int, int]]:
         """group -> (kind, sliding window, largest block size seen)."""
-        return {gid: (g.kind, g.window, g.block_size) for gid, g in self._groups.items()}
+        return {gid: (g.kind, g.window, g.block_size) for gid, g in self._groups.table.items()}
 
     def copies(self, group: int, block_hash: bytes) -> int:
         """How many copies of (group, hash) the engine holds."""
@@ -259,7 +257,7 @@ class EngineState:
         self.last_sequence = batch.sequence
         if not amended:
             return batch
-        return _with_invalid_before(batch, {index for index, _ in amended})
+        return with_invalid_before(batch, {index for index, _ in amended})
 
     def _apply_invalid(self) -> None:
         self.stats.invalid_resets += 1
@@ -268,29 +266,7 @@ class EngineState:
 
     def _declare(self, event: KvGroupEvent) -> bool:
         """Learn the group's metadata; False if it contradicts what is known."""
-        group = self._groups.get(event.group_id)
-        if group is None:
-            if len(self._groups) >= self.max_groups:
-                return False
-            self._groups[event.group_id] = _Group(
-                event.kind, event.sliding_window, event.block_size
-            )
-            return True
-        if (
-            event.kind
-            and group.kind
-            and (event.kind, event.sliding_window)
-            != (
-                group.kind,
-                group.window,
-            )
-        ):
-            return False
-        if event.kind and not group.kind:
-            group.kind, group.window = event.kind, event.sliding_window
-        if event.block_size > group.block_size:
-            group.block_size = event.block_size
-        return True
+        return self._groups.declare(event)
 
     def _meta_for(self, event: KvGroupEvent) -> _Meta:
         key = (
@@ -499,26 +475,54 @@ class EngineState:
 
     def snapshot(self, *, stream_id: str = "", reason: str = "") -> Snapshot:
         """The whole current cache as a `Snapshot` (see the module docstring)."""
-        snap = Snapshot(dp_rank=self.dp_rank, stream_id=stream_id, reason=reason)
+        sink = _Sink(None)
+        for _ in self._build(sink, _Budget(None)):
+            pass
+        sink.snap.stream_id = stream_id
+        sink.snap.reason = reason
+        return sink.snap
+
+    def snapshot_steps(
+        self,
+        out: SnapshotPieces,
+        *,
+        stream_id: str = "",
+        step_blocks: int = DEFAULT_STEP_BLOCKS,
+    ) -> Iterator[None]:
+        """Build what `snapshot` returns, serialized in pieces appended to `out`, yielding
+        after every `step_blocks` blocks of work or so (a single STORE is never split).
+
+        The state must not change until the iterator is exhausted (the caller freezes it).
+        """
+        sink = _Sink(out.pieces, step_blocks)
+        sink.snap.stream_id = stream_id
+        yield from self._build(sink, _Budget(step_blocks))
+        out.events = sink.events
+
+    def _build(self, sink: _Sink, budget: _Budget) -> Iterator[None]:
+        snap = sink.snap
+        snap.dp_rank = self.dp_rank
         if self.last_sequence is not None:
             snap.sequence = self.last_sequence
             snap.has_sequence = True
-        out = snap.events
-        for gid in sorted(self._groups):
-            group = self._groups[gid]
-            out.add(
+        groups = self._groups.table
+        for gid in sorted(groups):
+            group = groups[gid]
+            snap.events.add(
                 operation=STORE,
                 group_id=gid,
                 kind=group.kind,
                 sliding_window=group.window,
                 block_size=group.block_size,
             )
-        runs = self._live_runs()
-        defines = _defines(runs)
-        ordered = _parents_first(runs, defines)
-        for record in _lineage_for(ordered, defines):
+            sink.added(0)
+        runs = yield from self._live_runs(budget)
+        defines = yield from _defines(runs, budget)
+        ordered = yield from _parents_first(runs, defines, budget)
+        lineage = yield from _lineage_for(ordered, defines, budget)
+        for record in lineage:
             meta = record.meta
-            snap.lineage.add(
+            sink.snap.lineage.add(
                 operation=STORE,
                 group_id=meta.group,
                 block_hashes=hashes_of(record.hashes),
@@ -533,6 +537,9 @@ class EngineState:
                 cache_namespace=record.salt,
                 unmatchable=meta.unmatchable,
             )
+            sink.added(len(record.hashes))
+            if budget.spend(len(record.hashes)):
+                yield
         for run in ordered:
             record, start, stop, hashes = run
             meta = record.meta
@@ -549,7 +556,7 @@ class EngineState:
                 parent, salt = record.parent, record.salt
                 if len(tokens) == len(hashes) * meta.block_size:
                     tokens = ()  # never let a trimmed sparse record look dense
-            out.add(
+            sink.snap.events.add(
                 operation=STORE,
                 group_id=meta.group,
                 block_hashes=hashes_of(hashes),
@@ -562,16 +569,23 @@ class EngineState:
                 cache_namespace=salt,
                 unmatchable=meta.unmatchable,
             )
-        return snap
+            sink.added(len(hashes))
+            if budget.spend(len(hashes)):
+                yield
+        sink.finish()
 
-    def _live_runs(self) -> list[_Run]:
+    def _live_runs(self, budget: _Budget) -> Generator[None, None, list[_Run]]:
         """(record, start, stop, live hashes) in arrival order; dense records as runs."""
         runs: list[_Run] = []
         for record in self._records.values():
+            if budget.spend(1):
+                yield
             copies = self._copies[record.meta.group]
             if record.live == len(record.hashes) and not _has_repeats(record):
                 runs.append((record, 0, len(record.hashes), record.hashes))
                 continue
+            if budget.spend(len(record.hashes)):
+                yield
             owned: dict[Key, int] = {}
             mask: list[bool] = []
             for block_key in record.hashes:
@@ -596,6 +610,73 @@ class EngineState:
         return runs
 
 
+class SnapshotPieces:
+    """A snapshot serialized in pieces: each a `SubscribeResponse` holding part of it, which
+    concatenated parse as one message (repeated fields append); its reason is left unset."""
+
+    __slots__ = ("events", "pieces")
+
+    def __init__(self) -> None:
+        self.pieces: list[bytes] = []
+        self.events = 0  # events and lineage events in all pieces
+
+
+class _Budget:
+    """Work left in the current step of a snapshot build (size None: a single step)."""
+
+    __slots__ = ("left", "size")
+
+    def __init__(self, size: int | None) -> None:
+        self.size = size
+        self.left = size or 0
+
+    def spend(self, work: int) -> bool:
+        """Count `work`; True when the step is used up (the builder then yields)."""
+        if self.size is None:
+            return False
+        self.left -= work
+        if self.left > 0:
+            return False
+        self.left = self.size
+        return True
+
+
+class _Sink:
+    """Where a snapshot's events go: one `Snapshot` (pieces None), or serialized pieces of
+    about `piece_blocks` blocks each, so that no single serialization is large."""
+
+    __slots__ = ("blocks", "events", "message", "piece_blocks", "pieces", "snap")
+
+    def __init__(self, pieces: list[bytes] | None, piece_blocks: int = 0) -> None:
+        self.pieces = pieces
+        self.piece_blocks = piece_blocks
+        self.events = 0
+        self.blocks = 0  # in the current piece
+        self.message = SubscribeResponse()
+        self.snap = Snapshot()
+        if pieces is not None:
+            self.snap = self.message.snapshot
+            self.snap.SetInParent()  # the first piece says "snapshot" even when empty
+
+    def added(self, blocks: int) -> None:
+        """One event was added to `snap`, holding `blocks` blocks."""
+        self.events += 1
+        self.blocks += blocks
+        if self.pieces is not None and self.blocks >= self.piece_blocks:
+            self._flush()
+
+    def finish(self) -> None:
+        if self.pieces is not None and (self.blocks or not self.pieces):
+            self._flush()
+
+    def _flush(self) -> None:
+        assert self.pieces is not None
+        self.pieces.append(self.message.SerializeToString())
+        self.message = SubscribeResponse()
+        self.snap = self.message.snapshot
+        self.blocks = 0
+
+
 def _has_repeats(record: _Record) -> bool:
     # Repeated hashes inside one record only come from unusual producers.
     return len(record.hashes) > 1 and len(set(record.hashes)) != len(record.hashes)
@@ -608,17 +689,21 @@ def _run_parent(record: _Record, start: int) -> Key | None:
     return key_of(record.parent) if record.parent else None
 
 
-def _defines(runs: list[_Run]) -> dict[Key, int]:
+def _defines(runs: list[_Run], budget: _Budget) -> Generator[None, None, dict[Key, int]]:
     """Block key -> the first dense run (index in `runs`) that places it."""
     defines: dict[Key, int] = {}
     for position, (record, _, _, hashes) in enumerate(runs):
         if record.dense:
             for block_hash in hashes:
                 defines.setdefault(block_hash, position)
+        if budget.spend(1 + len(hashes)):
+            yield
     return defines
 
 
-def _lineage_for(runs: list[_Run], defines: dict[Key, int]) -> list[_Record]:
+def _lineage_for(
+    runs: list[_Run], defines: dict[Key, int], budget: _Budget
+) -> Generator[None, None, list[_Record]]:
     """The dense records, parents first, that place the runs no dense run places: a dense
     run whose parent none places (mid-record: its own record; else the parent's placer),
     a sparse run with a hash none places (its hashes' placer), and their ancestors up to
@@ -626,6 +711,8 @@ def _lineage_for(runs: list[_Run], defines: dict[Key, int]) -> list[_Record]:
     out: list[_Record] = []
     seen: set[int] = set()
     for record, start, _, hashes in runs:
+        if budget.spend(1):
+            yield
         if record.dense:
             parent = _run_parent(record, start)
             if parent is None or parent in defines:
@@ -649,11 +736,15 @@ def _lineage_for(runs: list[_Run], defines: dict[Key, int]) -> list[_Record]:
     return out
 
 
-def _parents_first(runs: list[_Run], defines: dict[Key, int]) -> list[_Run]:
+def _parents_first(
+    runs: list[_Run], defines: dict[Key, int], budget: _Budget
+) -> Generator[None, None, list[_Run]]:
     """Reorder runs so that a dense run defining a block's position precedes its children."""
     ordered: list[_Run] = []
     done = [False] * len(runs)
     for first in range(len(runs)):
+        if budget.spend(1):
+            yield
         chain = []
         index: int | None = first
         # Walk up to the first ancestor run already emitted (or the root), then emit down.
@@ -665,14 +756,3 @@ def _parents_first(runs: list[_Run], defines: dict[Key, int]) -> list[_Run]:
             index = None if parent is None else defines.get(parent)
         ordered.extend(runs[i] for i in reversed(chain))
     return ordered
-
-
-def _with_invalid_before(batch: KvEventBatch, positions: set[int]) -> KvEventBatch:
-    amended = KvEventBatch(
-        sequence=batch.sequence, timestamp=batch.timestamp, dp_rank=batch.dp_rank
-    )
-    for index, event in enumerate(batch.events):
-        if index in positions:
-            amended.events.add(operation=INVALID, group_id=event.group_id)
-        amended.events.append(event)
-    return amended

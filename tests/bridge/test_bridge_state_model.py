@@ -22,11 +22,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvroute.bridge.copy_table import CopyTable, Key, hash_of, hashes_of, key_of, keys_of
-from kvroute.bridge.state import EngineState
+from kvroute.bridge.groups import Groups, amend
+from kvroute.bridge.state import EngineState, SnapshotPieces
 from kvroute.indexer.keys import Namespace, content_keys
 from kvroute.indexer.lineage import Lineage
 from kvroute.indexer.presence import DictSink
-from kvroute.proto.events_pb2 import KvEventBatch, KvGroupEvent, Snapshot
+from kvroute.proto.events_pb2 import KvEventBatch, KvGroupEvent, Snapshot, SubscribeResponse
 
 STORE, REMOVE, CLEAR, INVALID = (
     KvGroupEvent.STORE,
@@ -336,6 +337,14 @@ def check_snapshot(state: EngineState, model: Model, reason: str) -> None:
     declared2, counts2, keys2 = meaning(again.snapshot())
     assert (declared2, counts2) == (declared, counts) and keys2.items() <= keys.items()
     assert keys2 == keys or snap.lineage
+    # Built in steps of one block, in serialized pieces: the same message once concatenated.
+    pieces = SnapshotPieces()
+    steps = sum(1 for _ in state.snapshot_steps(pieces, stream_id="s", step_blocks=1))
+    assert steps >= state.blocks and len(pieces.pieces) >= min(1, state.blocks)
+    head = SubscribeResponse(snapshot=Snapshot(reason=reason)).SerializeToString()
+    whole = SubscribeResponse.FromString(head + b"".join(pieces.pieces))
+    assert whole.WhichOneof("message") == "snapshot" and whole.snapshot == snap
+    assert pieces.events == len(snap.events) + len(snap.lineage)
 
 
 BS = 2
@@ -435,6 +444,7 @@ def test_engine_state_matches_the_model(
         max_blocks=max_blocks, max_lineage_blocks=max_lineage, max_groups=max_groups
     )
     model = Model(max_blocks, max_groups)
+    groups = Groups(max_groups)
     held: Counter[tuple[int, bytes]] = Counter()  # what was stored, evicted or not
     lineage_evicted = 0
     for seq, op in enumerate(ops):
@@ -462,6 +472,7 @@ def test_engine_state_matches_the_model(
         batch = _batch(seq, events)
         got = state.apply(batch)
         assert got == model.apply(batch)
+        assert amend(groups, batch) == got  # what a rank stream sends ahead of the state
         for ev in got.events:
             if ev.operation == STORE:
                 held.update((ev.group_id, x) for x in ev.block_hashes)

@@ -18,7 +18,12 @@ from kvroute.bridge.http import start_http
 from kvroute.bridge.metrics import BridgeMetrics
 from kvroute.bridge.server import kv_events_handler, start_grpc_server
 from kvroute.bridge.state import DEFAULT_MAX_BLOCKS, DEFAULT_MAX_LINEAGE_BLOCKS, EngineState
-from kvroute.bridge.stream import RankStream, StreamLimits
+from kvroute.bridge.stream import (
+    DEFAULT_MAX_SNAPSHOT_BUILDS,
+    RankStream,
+    SnapshotBuilds,
+    StreamLimits,
+)
 from kvroute.ratelog import RateLimitedLog
 
 log = logging.getLogger(__name__)
@@ -47,6 +52,8 @@ class BridgeConfig:
     token: bytes | None = field(default=None, repr=False)
     tls: ServerTls | None = None
     max_subscribers: int = DEFAULT_MAX_SUBSCRIBERS
+    # Snapshot builds running at once over all ranks; more subscribers share them or wait.
+    max_snapshot_builds: int = DEFAULT_MAX_SNAPSHOT_BUILDS
     # A follower failing again and again for this long fails liveness (the process restarts).
     follower_recovery_s: float = 30.0
 
@@ -77,6 +84,7 @@ class Bridge:
         self._failing_since: dict[int, float] = {}  # rank -> first failure of a streak
         self._restarted_at: dict[int, float] = {}
         self._ratelog = RateLimitedLog(log, interval_s=10.0)
+        self.snapshot_builds = SnapshotBuilds(config.max_snapshot_builds, self.metrics)
 
     async def start(self) -> None:
         """Follow the configured engines (or start discovery) and serve gRPC and HTTP."""
@@ -113,7 +121,9 @@ class Bridge:
             max_blocks=self.config.max_blocks,
             max_lineage_blocks=self.config.max_lineage_blocks,
         )
-        stream = RankStream(rank, self.bridge_id, state, self.metrics, self.config.limits)
+        stream = RankStream(
+            rank, self.bridge_id, state, self.metrics, self.config.limits, self.snapshot_builds
+        )
         follower = EngineFollower(
             endpoints, stream, self.metrics, self._ctx, replay_timeout=self.config.replay_timeout
         )
@@ -181,7 +191,7 @@ class Bridge:
             ranks[str(rank)] = {
                 "connected": self.followers[rank].connected,
                 "stream_id": stream.stream_id,
-                "last_sequence": stream.state.last_sequence,
+                "last_sequence": stream.last_sequence,
                 "blocks": stream.state.blocks,
                 "subscribers": stream.subscriber_count,
                 "engine": self.followers[rank].endpoints.events,

@@ -13,7 +13,12 @@ from kvroute.bridge.auth import TOKEN_FILE_ENV, ServerTls, read_secret, read_tok
 from kvroute.bridge.discovery import ranked_endpoints
 from kvroute.bridge.follower import DEFAULT_REPLAY_TIMEOUT
 from kvroute.bridge.state import DEFAULT_MAX_BLOCKS, DEFAULT_MAX_LINEAGE_BLOCKS
-from kvroute.bridge.stream import DEFAULT_QUEUE_SIZE, DEFAULT_RING_BATCHES, StreamLimits
+from kvroute.bridge.stream import (
+    DEFAULT_MAX_SNAPSHOT_BUILDS,
+    DEFAULT_QUEUE_SIZE,
+    DEFAULT_RING_BATCHES,
+    StreamLimits,
+)
 
 # An engine publishes a step's events as it streams that step's tokens, so a bridge beside it
 # is busy exactly when the engine's frontend is; its own work can wait a few milliseconds.
@@ -61,6 +66,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_MAX_SUBSCRIBERS,
         help="concurrent gRPC subscribers over all ranks (1+); more are refused",
     )
+    parser.add_argument(
+        "--max-snapshot-builds",
+        type=int,
+        default=DEFAULT_MAX_SNAPSHOT_BUILDS,
+        help="snapshot builds running at once over all ranks (1+); subscribers arriving "
+        "meanwhile share a build or wait for one",
+    )
     parser.add_argument("--tls-cert-file", help="PEM certificate to serve gRPC over TLS")
     parser.add_argument("--tls-key-file", help="PEM private key of --tls-cert-file")
     parser.add_argument(
@@ -83,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--queue-size",
         type=int,
         default=DEFAULT_QUEUE_SIZE,
-        help="messages queued per subscriber before it is resynchronised with a snapshot",
+        help="messages queued per subscriber before it is resynchronised with a snapshot; "
+        "also the batches a snapshot build may fall behind by before it is given up",
     )
     parser.add_argument(
         "--ring-batches",
@@ -117,6 +130,8 @@ def config_from_args(args: argparse.Namespace) -> BridgeConfig:
         raise ValueError("--nice must be between 0 and 19")
     if args.max_subscribers < 1:
         raise ValueError("--max-subscribers must be at least 1")
+    if args.max_snapshot_builds < 1:
+        raise ValueError("--max-snapshot-builds must be at least 1")
     if bool(args.tls_cert_file) != bool(args.tls_key_file):
         raise ValueError("--tls-cert-file and --tls-key-file go together")
     if args.tls_client_ca_file and not args.tls_cert_file:
@@ -146,6 +161,7 @@ def config_from_args(args: argparse.Namespace) -> BridgeConfig:
         token=read_token(args.token_file) if args.token_file else None,
         tls=tls,
         max_subscribers=args.max_subscribers,
+        max_snapshot_builds=args.max_snapshot_builds,
     )
 
 

@@ -96,6 +96,30 @@ class BridgeMetrics:
             "Serialized size of each snapshot built",
             (1e3, 1e4, 1e5, 1e6, 1e7, 1e8, 1e9),
         )
+        self.snapshot_builds = counter(
+            "snapshot_builds", "Snapshots built (each serves every subscriber waiting for one)"
+        )
+        self.snapshot_builds_abandoned = counter(
+            "snapshot_builds_abandoned",
+            "Snapshot builds given up by reason (behind: the batches queued meanwhile reached "
+            "--queue-size; reset: the view was reset)",
+            "reason",
+        )
+        self.snapshot_build_seconds = histogram(
+            "snapshot_build_seconds",
+            "Time from the start of a snapshot build to its end (in steps, between batches)",
+            (0.001, 0.01, 0.1, 0.5, 1, 5, 30),
+        )
+        self.pending_batches = gauge(
+            "state_pending_batches",
+            "Batches sent to subscribers but not yet applied to the snapshot state",
+        )
+        # Not per rank: the cap (--max-snapshot-builds) is over all ranks.
+        self.snapshot_builds_running = Gauge(
+            _PREFIX + "snapshot_builds_running",
+            "Snapshot builds in progress over all ranks",
+            registry=r,
+        )
         self.lagging_subscribers = counter(
             "lagging_subscribers",
             "Times a subscriber fell behind its queue bound and was resynchronised",

@@ -1,6 +1,6 @@
 """Snapshots of a large state never stall following the engine (a real `kvroute bridge`
 process on loopback), are shared by the subscribers waiting for them, and are capped
-(`--max-snapshot-builds`); a build that falls `--queue-size` batches behind is given up."""
+(`--max-snapshot-builds`)."""
 
 from __future__ import annotations
 
@@ -17,11 +17,14 @@ from typing import Any
 import grpc
 import grpc.aio
 import httpx
+import pytest
 import zmq.asyncio
-from bridge_testkit import FakeEngine, be, eventually, store
+from bridge_testkit import FakeEngine, Recorder, be, eventually, store
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvroute.bridge import vllm_schema as s
+from kvroute.bridge.app import Bridge, BridgeConfig
+from kvroute.bridge.cli import build_parser, config_from_args
 from kvroute.bridge.client import SUBSCRIBE_METHOD
 from kvroute.proto.events_pb2 import KvGroupEvent, SubscribeRequest, SubscribeResponse
 
@@ -241,3 +244,67 @@ def test_a_flood_of_subscribers_to_a_large_state_never_stalls_following() -> Non
             ctx.destroy(linger=0)
 
     asyncio.run(asyncio.wait_for(main(), 240))
+
+
+async def in_process(ranks: int, blocks: int, test: Any, **config: Any) -> None:
+    """`test(bridge, engines)` against an in-process bridge following `ranks` fake engines
+    that hold `blocks` blocks each."""
+    ctx = zmq.asyncio.Context()
+    engines = [Engine(FakeEngine(ctx, dp_rank=rank)) for rank in range(ranks)]
+    endpoints = tuple(engine.fake.endpoints() for engine in engines)
+    bridge = Bridge(BridgeConfig(engines=endpoints, listen="127.0.0.1:0", **config))
+    await bridge.start()
+    try:
+        await eventually(lambda: bridge.ready)
+        await asyncio.sleep(0.3)
+        for engine in engines:
+            await engine.fill(blocks)
+        await eventually(
+            lambda: all(
+                bridge.streams[rank].last_sequence == engines[rank].fake.seq - 1
+                for rank in range(ranks)
+            ),
+            30,
+        )
+        await test(bridge, engines)
+    finally:
+        await bridge.stop()
+        for engine in engines:
+            await engine.fake.close()
+        ctx.destroy(linger=0)
+
+
+def builds(bridge: Bridge, rank: int, name: str = "snapshot_builds", **labels: str) -> float:
+    value = bridge.metrics.registry.get_sample_value(
+        f"kvroute_bridge_{name}_total", {"dp_rank": str(rank), **labels}
+    )
+    return value or 0.0
+
+
+@pytest.mark.parametrize("cap", [1, 2])
+def test_builds_are_capped_over_ranks_and_shared_by_the_subscribers_waiting(cap: int) -> None:
+    async def test(bridge: Bridge, engines: list[Engine]) -> None:
+        target = f"127.0.0.1:{bridge.grpc_port}"
+        recorders = [Recorder(target, dp_rank=rank) for rank in (0, 1) for _ in range(3)]
+        try:
+            await eventually(lambda: all(r.snapshots() for r in recorders), 30)
+            # Both ranks needed a build at once: the cap, and only the cap, kept them apart.
+            assert bridge.snapshot_builds.peak == cap
+            assert bridge.snapshot_builds.running == 0
+            for index, recorder in enumerate(recorders):
+                assert recorder.view.counts == engines[index // 3].held
+            assert [builds(bridge, rank) for rank in (0, 1)] == [1, 1]  # 3 served by 1
+        finally:
+            for recorder in recorders:
+                await recorder.close()
+
+    asyncio.run(asyncio.wait_for(in_process(2, 30_000, test, max_snapshot_builds=cap), 120))
+
+
+def test_the_build_cap_option() -> None:
+    base = ["--engine", "tcp://127.0.0.1:5557"]
+    assert config_from_args(build_parser().parse_args(base)).max_snapshot_builds == 2
+    args = build_parser().parse_args([*base, "--max-snapshot-builds", "1"])
+    assert config_from_args(args).max_snapshot_builds == 1
+    with pytest.raises(ValueError, match="at least 1"):
+        config_from_args(build_parser().parse_args([*base, "--max-snapshot-builds", "0"]))

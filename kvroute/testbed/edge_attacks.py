@@ -1,7 +1,7 @@
 """Resource-exhaustion attacks on a running router, over raw loopback sockets, and the
 measures that show it survives them: slow uploads, streams nobody reads, large bodies at
 once, and a fresh request's answer time while they last. Shared by the edge tests and
-bench/edge_exhaustion.py; each function returns plain numbers."""
+the benchmarks; each function returns plain numbers."""
 
 from __future__ import annotations
 

@@ -27,6 +27,9 @@ from typing import Any
 from kvroute.testbed.trace import MOONCAKE_BLOCK_TOKENS, read_mooncake
 from kvroute.testbed.trace_chains import link_chains
 
+# how far out of send order a request may reach the router
+_REORDER_WINDOW = 16
+
 
 @dataclass(frozen=True, slots=True)
 class Continuation:
@@ -57,14 +60,19 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
 def _align_decisions(
     records: Sequence[dict[str, Any]], decisions: Sequence[dict[str, Any]]
 ) -> dict[str, dict[str, Any]]:
-    """Decisions are in arrival order, records in trace order: pair them by send time."""
-    sent = sorted((r for r in records if r.get("sent") is not None), key=lambda r: r["sent"])
-    ordered = sorted(decisions, key=lambda d: d["id"])
+    """Pair decisions (in arrival order) with records (in send order): requests sent within
+    moments of each other can reach the router in either order, so each decision takes the
+    earliest unpaired record of its prompt length among the next few sent."""
+    pending = sorted((r for r in records if r.get("sent") is not None), key=lambda r: r["sent"])
     out: dict[str, dict[str, Any]] = {}
-    for rec, dec in zip(sent, ordered, strict=False):
-        if rec.get("prompt_tokens") not in (None, dec.get("prompt_tokens")):
-            raise ValueError(f"decision {dec['id']} does not match request {rec['id']}")
-        out[rec["id"]] = dec
+    for dec in sorted(decisions, key=lambda d: d["id"]):
+        for j, rec in enumerate(pending[:_REORDER_WINDOW]):
+            if rec.get("prompt_tokens") in (None, dec.get("prompt_tokens")):
+                out[rec["id"]] = dec
+                del pending[j]
+                break
+        else:
+            raise ValueError(f"decision {dec['id']} does not match any request sent near it")
     return out
 
 

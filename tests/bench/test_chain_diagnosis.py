@@ -19,7 +19,12 @@ def _trace(tmp_path: Path) -> Path:
     lines = [
         {"timestamp": 0, "input_length": 3 * BLOCK, "output_length": 8, "hash_ids": [0, 1, 2]},
         {"timestamp": 10, "input_length": 3 * BLOCK, "output_length": 8, "hash_ids": [0, 5, 6]},
-        {"timestamp": 20, "input_length": 4 * BLOCK, "output_length": 8, "hash_ids": [0, 1, 2, 3]},
+        {
+            "timestamp": 20,
+            "input_length": 4 * BLOCK - 100,
+            "output_length": 8,
+            "hash_ids": [0, 1, 2, 3],
+        },
         {"timestamp": 30, "input_length": 4 * BLOCK, "output_length": 8, "hash_ids": [0, 5, 6, 7]},
     ]
     path = tmp_path / "trace.jsonl"
@@ -59,13 +64,13 @@ def _run(tmp_path: Path) -> tuple[Path, list[dict[str, Any]], list[dict[str, Any
     records = [
         _record(0, "w1", 0, 3 * BLOCK),
         _record(1, "w2", 0, 3 * BLOCK),
-        _record(2, "w1", 3 * BLOCK, 4 * BLOCK),  # A stayed on w1 and found its history
+        _record(2, "w1", 3 * BLOCK, 4 * BLOCK - 100),  # A stayed on w1 and found its history
         _record(3, "w1", BLOCK, 4 * BLOCK),  # B left w2 for w1: only block 0 was there
     ]
     decisions = [
         _decision(0, 3 * BLOCK, "cold", {"w1": (0, 0.0, 0), "w2": (0, 0.0, 0)}),
         _decision(1, 3 * BLOCK, "cold", {"w1": (BLOCK, 0.5, 0), "w2": (0, 0.0, 0)}),
-        _decision(2, 4 * BLOCK, "prefix", {"w1": (3 * BLOCK, 0.1, 0), "w2": (BLOCK, 0.0, 0)}),
+        _decision(2, 4 * BLOCK - 100, "prefix", {"w1": (3 * BLOCK, 0.1, 0), "w2": (BLOCK, 0.0, 0)}),
         _decision(3, 4 * BLOCK, "load", {"w1": (BLOCK, 0.2, 0), "w2": (3 * BLOCK, 2.5, 0)}),
     ]
     return _trace(tmp_path), records, decisions
@@ -102,6 +107,15 @@ def test_without_decisions_rows_still_count_the_loss(tmp_path: Path) -> None:
     assert all(r.reason is None and r.term_gap_s == {} for r in rows)
 
 
+def test_decisions_pair_with_requests_that_overtook_each_other(tmp_path: Path) -> None:
+    trace, records, decisions = _run(tmp_path)
+    # B's second turn reached the router before A's: the decisions swap, the rows do not
+    decisions[2], decisions[3] = decisions[3], decisions[2]
+    decisions[2]["id"], decisions[3]["id"] = 3, 4
+    rows = {r.id: r for r in diagnose(trace, records, decisions)}
+    assert (rows["mc-000002"].reason, rows["mc-000003"].reason) == ("prefix", "load")
+
+
 def test_failed_requests_are_left_out(tmp_path: Path) -> None:
     trace, records, decisions = _run(tmp_path)
     records[1]["status"] = 503  # B's first turn failed: its continuation has no parent worker
@@ -111,7 +125,7 @@ def test_failed_requests_are_left_out(tmp_path: Path) -> None:
 def test_decisions_that_do_not_match_the_requests_are_refused(tmp_path: Path) -> None:
     trace, records, decisions = _run(tmp_path)
     decisions[2]["prompt_tokens"] = 7
-    with pytest.raises(ValueError, match="does not match"):
+    with pytest.raises(ValueError, match="does not match any request"):
         diagnose(trace, records, decisions)
 
 

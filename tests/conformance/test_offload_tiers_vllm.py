@@ -4,7 +4,8 @@ tests/conformance/offload_producer.py runs in the vLLM environment: a real
 `CPUOffloadingManager` and `OffloadingEventsTracker` (spec §10) offload real requests' chunks
 into a CPU tier small enough to evict, and vLLM's encoder writes each step's batch. Here the
 bridge's decoder, converter and state must hold exactly the chunks vLLM's manager holds, in the
-CPU tier and nowhere else, and a snapshot must carry them.
+CPU tier and nowhere else, and a snapshot must carry them; the index's per-tier answer must
+equal the CPU hit vLLM's manager gives for every probe and GPU hit.
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ from vllm_recording import REPO, _unavailable, vllm_python
 from kvroute.bridge.convert import ConvertStats, convert_batch, normalise_hash
 from kvroute.bridge.state import EngineState
 from kvroute.bridge.vllm_schema import BatchDecoder, DecodedStored
+from kvroute.indexer import GroupCache, content_keys
+from kvroute.indexer.layout import Layout
+from kvroute.indexer.tiers import TierIndex
 from kvroute.proto.events_pb2 import KvEventBatch, KvGroupEvent, Tier
 
 pytestmark = pytest.mark.vllm
@@ -91,3 +95,31 @@ def test_placeholder_cpu_events_are_counted_not_placed(recording: dict[str, Any]
         state.apply(batch)
         assert _held(state.tier(Tier.CPU)) == set()
     assert stores > 0 and stats.placeholders == {Tier.CPU: stores}
+
+
+def _gpu_layout(block_size: int) -> Layout:
+    """A worker whose GPU pool is one full-attention group (the recording's model)."""
+    gpu = GroupCache()
+    declare = KvEventBatch(sequence=0)
+    declare.events.add(operation=KvGroupEvent.STORE, kind="full_attention", block_size=block_size)
+    gpu.apply(declare)
+    return gpu.layout()
+
+
+def test_tier_index_answers_vllms_cpu_hit_at_every_step(recording: dict[str, Any]) -> None:
+    decoder, tiers = BatchDecoder(), TierIndex()
+    layout = _gpu_layout(recording["block_size"])
+    keys = [content_keys(p) for p in recording["prompts"]]
+    checked = credited = 0
+    for seq, step in enumerate(recording["steps"]):
+        engine = step["self_describing"]
+        tiers.apply("w", convert_batch(decoder.decode(engine["payload"]), seq))
+        for prompt, gpu_hit, expected in engine["probes"]:
+            n = len(recording["prompts"][prompt])
+            got = tiers.split("w", layout, keys[prompt], n, gpu_hit)
+            assert (got.gpu, got.cpu, got.storage) == (gpu_hit, expected, 0), (
+                f"step {seq}, prompt {prompt}, GPU hit {gpu_hit}"
+            )
+            checked += 1
+            credited += expected > 0
+    assert checked > 100 and credited > 20

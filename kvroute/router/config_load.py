@@ -28,7 +28,11 @@ from kvroute.router.config import (
     WorkerSpec,
 )
 from kvroute.router.edge.trust import parse_networks
-from kvroute.router.fleet.discovery import DiscoveryConfigError, parse_discovery_config
+from kvroute.router.fleet.discovery import (
+    DiscoveryConfigError,
+    parse_discovery_config,
+    valid_worker_name,
+)
 
 ENV_PREFIX = "KVROUTE_"
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -414,8 +418,11 @@ def validate(c: RouterConfig) -> list[str]:
 def validate_worker(w: WorkerSpec, where: str = "worker") -> list[str]:
     """Checks on one worker spec (also used by the admin API's add)."""
     errors: list[str] = []
-    if not w.name or any(ch.isspace() or ch == "/" for ch in w.name):
-        errors.append(f"{where}.name: expected a non-empty name without spaces or '/'")
+    if not valid_worker_name(w.name):
+        errors.append(
+            f"{where}.name: expected letters, digits and ._-:/ (e.g. namespace/pod), "
+            f"starting with a letter or digit, got {w.name!r}"
+        )
     url = urlsplit(w.url)
     if url.scheme not in ("http", "https") or not url.hostname or url.path not in ("", "/"):
         errors.append(f"{where}.url: expected http://host:port (no path), got {w.url!r}")

@@ -94,6 +94,51 @@ def test_workers_listing_and_membership() -> None:
     run(go())
 
 
+def test_namespace_pod_worker_names_work_through_http() -> None:
+    """Kubernetes workers are named namespace/pod: every per-worker route takes such a name,
+    written with a plain or a percent-encoded slash, and a pod named like an action is kept
+    apart from the action."""
+
+    async def go() -> None:
+        async with rig(1) as r:
+            h = r.admin_headers()
+            for name in ("team-a/vllm-0", "team-a/drain"):
+                spec = {"name": name, "url": r.engine_urls["w0"], "model": "m"}
+                added = await r.client.post("/admin/workers", json=spec, headers=h)
+                assert added.status_code == 201 and added.json()["name"] == name
+            got = await r.client.get("/admin/workers/team-a/vllm-0", headers=h)
+            assert got.status_code == 200 and got.json()["name"] == "team-a/vllm-0"
+            got = await r.client.get("/admin/workers/team-a%2Fvllm-0", headers=h)
+            assert got.status_code == 200 and got.json()["name"] == "team-a/vllm-0"
+            # a pod literally named "drain": GET reads it, .../drain/drain drains it
+            got = await r.client.get("/admin/workers/team-a/drain", headers=h)
+            assert got.status_code == 200 and got.json()["name"] == "team-a/drain"
+            d = await r.client.post("/admin/workers/team-a/drain/drain", headers=h)
+            assert d.status_code == 200 and d.json()["name"] == "team-a/drain"
+            assert r.parts.registry.get("team-a/vllm-0").state == "active"  # type: ignore[union-attr]
+
+            d = await r.client.post("/admin/workers/team-a/vllm-0/drain", headers=h)
+            assert d.status_code == 200
+            assert d.json()["name"] == "team-a/vllm-0" and d.json()["state"] == "draining"
+            u = await r.client.post("/admin/workers/team-a%2Fvllm-0/undrain", headers=h)
+            assert u.status_code == 200 and u.json()["state"] == "active"
+            rs = await r.client.post("/admin/workers/team-a/vllm-0/resync", headers=h)
+            assert rs.status_code == 200 and rs.json()["name"] == "team-a/vllm-0"
+            gone = await r.client.delete("/admin/workers/team-a/vllm-0?drain=false", headers=h)
+            assert gone.status_code == 200 and gone.json()["removed"] is True
+            assert r.parts.registry.get("team-a/vllm-0") is None
+            missing = await r.client.get("/admin/workers/team-a/vllm-0", headers=h)
+            assert missing.status_code == 404
+            assert "team-a/vllm-0" in missing.json()["error"]["message"]
+            names = [
+                w["name"]
+                for w in (await r.client.get("/admin/workers", headers=h)).json()["workers"]
+            ]
+            assert names == ["w0", "team-a/drain"]
+
+    run(go())
+
+
 def test_decisions_ring_buffer_is_bounded() -> None:
     async def go() -> None:
         async with rig(2, limits={"decisions_buffer": 5}) as r:

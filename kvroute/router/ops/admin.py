@@ -37,6 +37,7 @@ from kvroute.router.routing.index_view import IndexView, ReuseExplanation
 from kvroute.router.routing.pipeline import Routing
 
 _MAX_ADMIN_BODY = 16 * 1024 * 1024
+_ONE = "/admin/workers/{name:path}"
 
 
 class Admin:
@@ -67,11 +68,14 @@ class Admin:
             Route("/admin/score", self._guard(self.score), methods=["POST"]),
             Route("/admin/workers", self._guard(self.list_workers), methods=["GET"]),
             Route("/admin/workers", self._guard(self.add_worker), methods=["POST"]),
-            Route("/admin/workers/{name}", self._guard(self.get_worker), methods=["GET"]),
-            Route("/admin/workers/{name}", self._guard(self.remove_worker), methods=["DELETE"]),
-            Route("/admin/workers/{name}/drain", self._guard(self.drain), methods=["POST"]),
-            Route("/admin/workers/{name}/undrain", self._guard(self.undrain), methods=["POST"]),
-            Route("/admin/workers/{name}/resync", self._guard(self.resync), methods=["POST"]),
+            # Names may hold "/" (Kubernetes workers are namespace/pod), sent as is or as %2F.
+            # The action routes come first; the path converter is greedy, so
+            # ".../a/drain/drain" drains the worker "a/drain".
+            Route(f"{_ONE}/drain", self._guard(self.drain), methods=["POST"]),
+            Route(f"{_ONE}/undrain", self._guard(self.undrain), methods=["POST"]),
+            Route(f"{_ONE}/resync", self._guard(self.resync), methods=["POST"]),
+            Route(_ONE, self._guard(self.get_worker), methods=["GET"]),
+            Route(_ONE, self._guard(self.remove_worker), methods=["DELETE"]),
             Route("/admin/decisions", self._guard(self.decisions), methods=["GET"]),
         ]
 

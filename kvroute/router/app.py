@@ -47,6 +47,7 @@ from kvroute.router.fleet.verify import Verifier
 from kvroute.router.fleet.workers import StaticDiscovery, Worker, WorkerRegistry
 from kvroute.router.ops import dashboard
 from kvroute.router.ops.admin import Admin
+from kvroute.router.ops.admin_auth import AdminTokens
 from kvroute.router.ops.decisions import DecisionLog
 from kvroute.router.ops.metrics import RouterMetrics, ScalarGauge
 from kvroute.router.ops.probes import Probes
@@ -301,7 +302,15 @@ def create_app(
         Periodic("metrics", registry, metrics_probe, cfg.load.metrics_interval_s),
     ]
     admin = Admin(
-        cfg.admin.token, registry, routing, index, events, verifier, decisions, metrics, clock
+        AdminTokens.from_config(cfg.admin),
+        registry,
+        routing,
+        index,
+        events,
+        verifier,
+        decisions,
+        metrics,
+        clock,
     )
     passthrough = Passthrough(
         registry,

@@ -265,7 +265,22 @@ class VerifyConfig:
 
 @dataclass(frozen=True, slots=True)
 class AdminConfig:
-    token: str | None = _f(None, "bearer token for /admin/*; unset = admin API disabled")
+    token: str | None = _f(
+        None,
+        "full bearer token for /admin/* (read and change the fleet); set it from a Secret "
+        "(env) or use token_file; unset with no read token = admin API disabled",
+    )
+    token_file: str | None = _f(
+        None, "file holding the full admin token (a mounted Secret); not together with token"
+    )
+    read_token: str | None = _f(
+        None,
+        "read-only bearer token: the dashboard, GET /admin/* and POST /admin/score; refused "
+        "(403) on routes that add, remove, drain, undrain or resync workers",
+    )
+    read_token_file: str | None = _f(
+        None, "file holding the read-only admin token; not together with read_token"
+    )
     response_headers: bool = _f(
         False, "add x-kvroute-worker / x-kvroute-predicted-cached-tokens to responses"
     )

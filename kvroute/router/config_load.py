@@ -22,6 +22,7 @@ import yaml
 from kvroute.router.config import (
     POLICY_NAMES,
     TOKENIZER_MODES,
+    AdminConfig,
     ModelSpec,
     PolicyConfig,
     RouterConfig,
@@ -90,6 +91,12 @@ def config_from_dict(data: Mapping[str, Any]) -> RouterConfig:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
     assert isinstance(config, RouterConfig)
     return config
+
+
+def env_name(dotted: str) -> str:
+    """The environment variable that sets the config key `dotted` ("admin.token" ->
+    KVROUTE_ADMIN__TOKEN); `env_overrides` reads exactly these names."""
+    return ENV_PREFIX + dotted.upper().replace(".", "__")
 
 
 def env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
@@ -411,7 +418,24 @@ def validate(c: RouterConfig) -> list[str]:
     need(0 < v.miss_fraction <= 1, "verify.miss_fraction: expected in (0, 1]")
     need(v.tolerance_tokens >= 0, "verify.tolerance_tokens: expected >= 0")
     need(v.resync_cooldown_s >= 0, "verify.resync_cooldown_s: expected >= 0")
-    need(c.admin.token is None or len(c.admin.token) >= 8, "admin.token: use >= 8 characters")
+    errors.extend(validate_admin(c.admin))
+    return errors
+
+
+def validate_admin(a: AdminConfig) -> list[str]:
+    """Checks on the admin tokens: at most one source each, long enough, files present, and
+    the read-only token different from the full one."""
+    errors: list[str] = []
+    for key in ("token", "read_token"):
+        value, path = getattr(a, key), getattr(a, key + "_file")
+        if value is not None and path is not None:
+            errors.append(f"admin.{key}: give {key} or {key}_file, not both")
+        if value is not None and len(value) < 8:
+            errors.append(f"admin.{key}: use >= 8 characters")
+        if path is not None and not Path(path).is_file():
+            errors.append(f"admin.{key}_file: no such file {path}")
+    if a.token is not None and a.token == a.read_token:
+        errors.append("admin.read_token: must differ from admin.token")
     return errors
 
 

@@ -34,6 +34,80 @@ def test_admin_requires_the_token() -> None:
     run(go())
 
 
+READ = "test-read-only-token"
+
+
+def test_read_only_token_reads_but_cannot_change_the_fleet() -> None:
+    async def go() -> None:
+        async with rig(1, admin={"read_token": READ}) as r:
+            full, read = r.admin_headers(), {"authorization": f"Bearer {READ}"}
+            spec = {"name": "ns/extra", "url": r.engine_urls["w0"], "model": "m"}
+            one = "/admin/workers/ns/extra"
+            reads = [
+                ("GET", "/admin/workers", None),
+                ("GET", "/admin/workers/w0", None),
+                ("GET", "/admin/decisions", None),
+                ("POST", "/admin/score", CHAT),
+            ]
+            writes = [
+                ("POST", "/admin/workers", spec),
+                ("POST", f"{one}/drain", None),
+                ("POST", f"{one}/undrain", None),
+                ("POST", f"{one}/resync", None),
+                ("DELETE", f"{one}?drain=false", None),
+            ]
+            for method, path, body in reads + writes:
+                anon = await r.client.request(method, path, json=body)
+                assert anon.status_code == 401, (method, path)
+            for method, path, body in reads:
+                got = await r.client.request(method, path, json=body, headers=read)
+                assert got.status_code == 200, (method, path, got.text)
+            before = len(r.parts.registry)
+            for method, path, body in writes:
+                got = await r.client.request(method, path, json=body, headers=read)
+                assert got.status_code == 403, (method, path, got.text)
+                assert "read-only" in got.json()["error"]["message"]
+            assert len(r.parts.registry) == before and r.parts.registry.get("ns/extra") is None
+            # the full token does both
+            for method, path, body in writes:
+                got = await r.client.request(method, path, json=body, headers=full)
+                assert got.status_code in (200, 201), (method, path, got.text)
+            assert r.parts.registry.get("ns/extra") is None  # added, then removed
+            for method, path, body in reads:
+                got = await r.client.request(method, path, json=body, headers=full)
+                assert got.status_code == 200, (method, path)
+            text = (await r.client.get("/metrics")).text
+            assert 'kvroute_errors_total{kind="admin_read_only"} 5.0' in text
+            assert 'kvroute_errors_total{kind="unauthorized"} 9.0' in text
+        # a read-only token alone: the API is on for reading, writes are refused
+        async with rig(1, admin={"token": None, "read_token": READ}) as r:
+            read = {"authorization": f"Bearer {READ}"}
+            assert (await r.client.get("/admin/workers", headers=read)).status_code == 200
+            drain = await r.client.post("/admin/workers/w0/drain", headers=read)
+            assert drain.status_code == 403
+
+    run(go())
+
+
+def test_admin_tokens_from_files(tmp_path: Path) -> None:
+    full_file, read_file = tmp_path / "full", tmp_path / "read"
+    full_file.write_text("file-full-token\n")
+    read_file.write_text("file-read-token\n")
+
+    async def go() -> None:
+        admin = {"token": None, "token_file": str(full_file), "read_token_file": str(read_file)}
+        async with rig(1, admin=admin) as r:
+            full = {"authorization": "Bearer file-full-token"}
+            read = {"authorization": "Bearer file-read-token"}
+            assert (await r.client.get("/admin/workers", headers=read)).status_code == 200
+            assert (await r.client.post("/admin/workers/w0/drain", headers=read)).status_code == 403
+            assert (await r.client.post("/admin/workers/w0/drain", headers=full)).status_code == 200
+            old = await r.client.get("/admin/workers", headers=r.admin_headers())
+            assert old.status_code == 401
+
+    run(go())
+
+
 def test_score_explains_without_side_effects() -> None:
     async def go() -> None:
         async with rig(3) as r:

@@ -113,6 +113,16 @@ def test_model_shorthand_and_policy_mapping() -> None:
         ({"verify": {"min_samples": 100}}, "verify.min_samples"),
         ({"retry": {"max_attempts": 0}}, "retry.max_attempts"),
         ({"admin": {"token": "short"}}, "admin.token"),
+        ({"admin": {"read_token": "short"}}, "admin.read_token: use >= 8"),
+        (
+            {"admin": {"token": "same-token", "read_token": "same-token"}},
+            "admin.read_token: must differ",
+        ),
+        (
+            {"admin": {"token": "long-enough", "token_file": "/no/such/file"}},
+            "admin.token: give token or token_file",
+        ),
+        ({"admin": {"read_token_file": "/no/such/file"}}, "admin.read_token_file: no such"),
         ({"breaker": {"open_s": 0}}, "breaker.open_s"),
     ],
 )

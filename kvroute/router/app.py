@@ -128,10 +128,12 @@ class _Housekeeping:
         probes: list[Callable[[Worker], Any]],
         verifier: Verifier,
         policy: Policy,
+        metrics: RouterMetrics,
     ) -> None:
         self._probes = probes
         self._verifier = verifier
         self._policy = policy
+        self._metrics = metrics
         self.started = False
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -150,6 +152,7 @@ class _Housekeeping:
     def worker_removed(self, worker: Worker) -> None:
         self._verifier.forget(worker.name)
         self._policy.forget_worker(worker.name)
+        self._metrics.forget_worker(worker.name)
 
 
 class RouterApp(Starlette):
@@ -294,7 +297,7 @@ def create_app(
         max_s=cfg.load.metrics_max_interval_s,
         kv_quiet_below=KV_QUIET_FRACTION * cfg.policy.kv_usage_saturation,
     )
-    housekeeping = _Housekeeping([health, models_probe, metrics_probe], verifier, policy)
+    housekeeping = _Housekeeping([health, models_probe, metrics_probe], verifier, policy, metrics)
     registry.listen(housekeeping)
     jobs = [
         Periodic("health", registry, health, cfg.health.interval_s),
@@ -329,6 +332,8 @@ def create_app(
     )
 
     async def metrics_endpoint(request: Request) -> Response:
+        # series counted for a worker after it was removed (a request still in flight then)
+        metrics.keep_workers(set(registry.names()))
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     endpoints = {path: proxy.endpoint(path) for path in GENERATION_ENDPOINTS}

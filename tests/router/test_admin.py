@@ -213,6 +213,35 @@ def test_namespace_pod_worker_names_work_through_http() -> None:
     run(go())
 
 
+def test_removed_workers_leave_no_metric_series() -> None:
+    async def go() -> None:
+        async with rig(1) as r:
+            h = r.admin_headers()
+            spec = {"name": "team-a/vllm-1", "url": r.engine_urls["w0"], "model": "m"}
+            assert (await r.client.post("/admin/workers", json=spec, headers=h)).status_code == 201
+            await r.client.post("/admin/workers/w0/drain", headers=h)  # traffic to the new one
+            for i in range(3):
+                body = {**CHAT, "messages": [{"role": "user", "content": f"q{i}"}]}
+                assert (await r.client.post("/v1/chat/completions", json=body)).status_code == 200
+            await r.client.post("/admin/workers/w0/undrain", headers=h)
+            label = 'worker="team-a/vllm-1"'
+            text = (await r.client.get("/metrics")).text
+            assert f'kvroute_upstream_responses_total{{outcome="2xx",{label}}} 3.0' in text
+            assert f"kvroute_upstream_first_byte_seconds_count{{{label}}} 3.0" in text
+            assert "kvroute_prediction_outcomes_total{" in text and label in text
+            gone = await r.client.delete("/admin/workers/team-a/vllm-1", headers=h)
+            assert gone.json()["removed"] is True
+            text = (await r.client.get("/metrics")).text
+            assert label not in text
+            assert 'worker="w0"' in text  # the others keep theirs
+            # counted after the removal (a response still in flight then): gone at the scrape
+            metrics = r.parts.metrics
+            metrics.child(metrics.upstream, "team-a/vllm-1", "2xx").inc()
+            assert label not in (await r.client.get("/metrics")).text
+
+    run(go())
+
+
 def test_decisions_ring_buffer_is_bounded() -> None:
     async def go() -> None:
         async with rig(2, limits={"decisions_buffer": 5}) as r:

@@ -31,6 +31,7 @@ class Served:
     url: str
     read_file: Path
     worker_url: str
+    model: str
 
 
 def _clean_env() -> dict[str, str]:
@@ -59,7 +60,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         child = pg.start("router", cmd, env={**_clean_env(), **env})
         url = f"http://127.0.0.1:{port}"
         wait_http(url + "/health", 60.0, child.popen)
-        yield Served(url, read_file, cfg["workers"][0]["url"])
+        yield Served(url, read_file, cfg["workers"][0]["url"], fleet.model)
 
 
 def call(url: str, method: str, token: str | None, body: Any = None) -> tuple[int, Any]:
@@ -115,3 +116,32 @@ def test_read_only_and_full_tokens_on_a_real_router(served: Served) -> None:
     assert status == 200 and body["state"] == "draining"
     status, body = call(f"{workers}/{name}/undrain", "POST", FULL)
     assert status == 200 and body["state"] == "active"
+
+
+def _metrics(url: str) -> str:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+        text: str = resp.read().decode()
+    return text
+
+
+def test_a_removed_workers_series_leave_metrics(served: Served) -> None:
+    workers = served.url + "/admin/workers"
+    (first,) = [w["name"] for w in call(workers, "GET", READ)[1]["workers"]]
+    spec = {"name": "team-a/vllm-7", "url": served.worker_url, "model": served.model}
+    assert call(workers, "POST", FULL, spec)[0] == 201
+    assert call(f"{workers}/{first}/drain", "POST", FULL)[0] == 200
+    try:
+        for i in range(3):
+            chat = {"model": served.model, "messages": [{"role": "user", "content": f"q{i}"}]}
+            status, _ = call(served.url + "/v1/chat/completions", "POST", None, chat)
+            assert status == 200
+    finally:
+        assert call(f"{workers}/{first}/undrain", "POST", FULL)[0] == 200
+    label = 'worker="team-a/vllm-7"'
+    text = _metrics(served.url)
+    assert f'kvroute_upstream_responses_total{{outcome="2xx",{label}}} 3.0' in text
+    status, body = call(f"{workers}/team-a/vllm-7", "DELETE", FULL)
+    assert status == 200 and body["removed"] is True  # idle: removed at once
+    text = _metrics(served.url)
+    assert label not in text
+    assert f'worker="{first}"' in text

@@ -188,7 +188,9 @@ def create_app(
 ) -> Starlette:
     """Build the router app. The returned app's `state.kvroute` holds its `Components`."""
     metrics = RouterMetrics()
-    upstream = Upstream(cfg.timeouts, cfg.limits, pool_wait_s=cfg.edge.pool_wait_s)
+    upstream = Upstream(
+        cfg.timeouts, cfg.limits, pool_wait_s=cfg.edge.pool_wait_s, tls=cfg.upstream_tls
+    )
     registry = WorkerRegistry(
         cfg.breaker,
         max_workers=cfg.limits.max_workers,

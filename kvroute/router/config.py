@@ -175,6 +175,18 @@ class TimeoutsConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class UpstreamTlsConfig:
+    ca_file: str | None = _f(
+        None, "PEM CA bundle trusted for https:// worker URLs; unset = the system's roots"
+    )
+    server_name: str | None = _f(
+        None,
+        "name checked in https:// workers' certificates instead of the URL's host (for "
+        "engines addressed by pod IP); unset = the host",
+    )
+
+
+@dataclass(frozen=True, slots=True)
 class RetryConfig:
     max_attempts: int = _f(3, "attempts per request, across workers, before the first byte")
     backoff_initial_s: float = _f(0.02, "wait before the second attempt")
@@ -372,6 +384,9 @@ class RouterConfig:
     )
     timeouts: TimeoutsConfig = field(
         default_factory=TimeoutsConfig, metadata={"doc": "upstream and probe timeouts"}
+    )
+    upstream_tls: UpstreamTlsConfig = field(
+        default_factory=UpstreamTlsConfig, metadata={"doc": "TLS to https:// workers"}
     )
     retry: RetryConfig = field(
         default_factory=RetryConfig, metadata={"doc": "retries to another worker"}

@@ -369,6 +369,13 @@ def validate(c: RouterConfig) -> list[str]:
     except ValueError as exc:
         need(False, f"edge.trusted_proxies: {exc}")
 
+    tls = c.upstream_tls
+    need(
+        tls.ca_file is None or Path(tls.ca_file).is_file(),
+        f"upstream_tls.ca_file: no such file {tls.ca_file}",
+    )
+    need(tls.server_name is None or bool(tls.server_name), "upstream_tls.server_name: empty")
+
     r = c.retry
     need(r.max_attempts >= 1, "retry.max_attempts: expected >= 1")
     need(r.backoff_initial_s >= 0, "retry.backoff_initial_s: expected >= 0")

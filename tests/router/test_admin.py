@@ -6,8 +6,11 @@ import asyncio
 import contextlib
 import io
 import json
+import logging
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from kvroute.router.ops import inspect_cli
 from tests.router.harness import ADMIN, rig
@@ -87,6 +90,25 @@ def test_read_only_token_reads_but_cannot_change_the_fleet() -> None:
             assert drain.status_code == 403
 
     run(go())
+
+
+def test_refused_admin_calls_are_logged_once_per_interval(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def go() -> None:
+        async with rig(1, admin={"read_token": READ}) as r:
+            read = {"authorization": f"Bearer {READ}"}
+            for _ in range(3):
+                await r.client.get("/admin/workers", headers={"authorization": "Bearer nope-nope"})
+                await r.client.post("/admin/workers/w0/drain", headers=read)
+
+    with caplog.at_level(logging.WARNING, logger="kvroute.router.ops.admin"):
+        run(go())
+    lines = [rec.getMessage() for rec in caplog.records if rec.name == "kvroute.router.ops.admin"]
+    assert len(lines) == 2, lines  # one per kind of refusal, the repeats suppressed
+    assert any("'/admin/workers' refused: missing or wrong" in line for line in lines)
+    assert any("'/admin/workers/w0/drain' refused: the read-only" in line for line in lines)
+    assert not any(READ in line or "nope-nope" in line for line in lines)
 
 
 def test_admin_tokens_from_files(tmp_path: Path) -> None:

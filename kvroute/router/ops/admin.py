@@ -8,6 +8,7 @@ membership endpoints (add, remove, drain, undrain, resync), which need the full 
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -16,6 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from kvroute.ratelog import RateLimitedLog
 from kvroute.router.config_load import ConfigError, worker_from_dict
 from kvroute.router.edge.body import read_bounded
 from kvroute.router.edge.errors import INVALID_FIELD, NOT_FOUND, RouterError, error_response
@@ -30,7 +32,10 @@ from kvroute.router.ops.metrics import RouterMetrics
 from kvroute.router.routing.index_view import IndexView, ReuseExplanation
 from kvroute.router.routing.pipeline import Routing
 
+log = logging.getLogger(__name__)
+
 _MAX_ADMIN_BODY = 16 * 1024 * 1024
+_REFUSED = (401, 403)  # statuses of refused credentials, logged (rate-limited)
 _ONE = "/admin/workers/{name:path}"
 
 
@@ -56,6 +61,7 @@ class Admin:
         self._decisions = decisions
         self._metrics = metrics
         self._clock = clock
+        self._ratelog = RateLimitedLog(log, interval_s=10.0)
 
     def routes(self) -> list[Route]:
         return [
@@ -87,6 +93,15 @@ class Admin:
                 return result
             except RouterError as exc:
                 self._metrics.errors.labels(exc.kind.kind).inc()
+                if exc.kind.status in _REFUSED:
+                    # the path may hold any text a caller sent: logged quoted, never the token
+                    self._ratelog.warning(
+                        exc.kind.kind,
+                        "admin %s %r refused: %s",
+                        request.method,
+                        request.url.path,
+                        exc.message,
+                    )
                 return error_response(exc)
 
         return guarded

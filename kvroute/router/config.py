@@ -175,6 +175,18 @@ class TimeoutsConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class UpstreamTlsConfig:
+    ca_file: str | None = _f(
+        None, "PEM CA bundle trusted for https:// worker URLs; unset = the system's roots"
+    )
+    server_name: str | None = _f(
+        None,
+        "name checked in https:// workers' certificates instead of the URL's host (for "
+        "engines addressed by pod IP); unset = the host",
+    )
+
+
+@dataclass(frozen=True, slots=True)
 class RetryConfig:
     max_attempts: int = _f(3, "attempts per request, across workers, before the first byte")
     backoff_initial_s: float = _f(0.02, "wait before the second attempt")
@@ -265,7 +277,22 @@ class VerifyConfig:
 
 @dataclass(frozen=True, slots=True)
 class AdminConfig:
-    token: str | None = _f(None, "bearer token for /admin/*; unset = admin API disabled")
+    token: str | None = _f(
+        None,
+        "full bearer token for /admin/* (read and change the fleet); set it from a Secret "
+        "(env) or use token_file; unset with no read token = admin API disabled",
+    )
+    token_file: str | None = _f(
+        None, "file holding the full admin token (a mounted Secret); not together with token"
+    )
+    read_token: str | None = _f(
+        None,
+        "read-only bearer token: the dashboard, GET /admin/* and POST /admin/score; refused "
+        "(403) on routes that add, remove, drain, undrain or resync workers",
+    )
+    read_token_file: str | None = _f(
+        None, "file holding the read-only admin token; not together with read_token"
+    )
     response_headers: bool = _f(
         False, "add x-kvroute-worker / x-kvroute-predicted-cached-tokens to responses"
     )
@@ -357,6 +384,9 @@ class RouterConfig:
     )
     timeouts: TimeoutsConfig = field(
         default_factory=TimeoutsConfig, metadata={"doc": "upstream and probe timeouts"}
+    )
+    upstream_tls: UpstreamTlsConfig = field(
+        default_factory=UpstreamTlsConfig, metadata={"doc": "TLS to https:// workers"}
     )
     retry: RetryConfig = field(
         default_factory=RetryConfig, metadata={"doc": "retries to another worker"}

@@ -1,11 +1,13 @@
 """A real `kvroute serve` in front of a simulated fleet (`kvroute sim fleet`), attacked over
-loopback with more slow uploads than max_in_flight: a fresh request must get an answer
-quickly throughout and a 200 soon after (kvroute/testbed/edge_attacks.py holds the attacks)."""
+loopback with more slow uploads than max_in_flight and more unread streams than the upstream
+pool: a fresh request must get an answer quickly throughout and a 200 soon after
+(kvroute/testbed/edge_attacks.py holds the attacks)."""
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -29,7 +31,14 @@ LIMITS = {
     "KVROUTE_EDGE__POOL_WAIT_S": "1.0",
     "KVROUTE_EDGE__WRITE_STALL_S": "1.0",
     "KVROUTE_EDGE__LIMIT_CONCURRENCY": "64",
+    "KVROUTE_EDGE__CLIENT_SEND_BUFFER_BYTES": "16384",
 }
+POOL = int(LIMITS["KVROUTE_LIMITS__UPSTREAM_CONNECTIONS"])
+# A non-reading client holds its stream until the kernel buffers between it and the router
+# fill (~100 KB with the send buffer above), then write_stall_s: 1,500 tokens (~400 KB of
+# events) always reach the stall, and keep the engines' wasted work short.
+UNREAD_TOKENS = 1500
+FRESH_DEADLINE_S = 5.0
 
 
 @dataclass
@@ -72,8 +81,16 @@ def _metric(url: str, name: str, label: str) -> float:
     return sum(
         float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()
-        if line.startswith(name + "{") and label in line
+        if line.startswith((name + "{", name + " ")) and label in line
     )
+
+
+def _wait_metric(url: str, name: str, label: str, at_least: float, wait_s: float = 5.0) -> float:
+    """The metric once it reached `at_least`, or its value after `wait_s`."""
+    deadline = time.monotonic() + wait_s
+    while (value := _metric(url, name, label)) < at_least and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return value
 
 
 def test_slow_uploads_beyond_max_in_flight(served: Served) -> None:
@@ -85,5 +102,28 @@ def test_slow_uploads_beyond_max_in_flight(served: Served) -> None:
         statuses = [atk.answered(s, 3.0) for s in socks]
     assert statuses.count(408) >= 16 - 1, statuses  # the ones admitted: read deadline
     assert set(statuses) <= {408, 503}, statuses
+    ok, _ = atk.first_ok_within(chat, body, 3.0)
+    assert ok.status == 200
+
+
+def test_unread_streams_beyond_the_upstream_pool(served: Served) -> None:
+    chat = served.url + "/v1/chat/completions"
+    body = atk.chat_body(served.model)
+    stalls_before = _metric(served.url, "kvroute_errors_total", 'kind="write_stall"')
+    disconnects = _metric(served.url, "kvroute_client_disconnects_total", "")
+    with atk.unread_streams(served.host, served.port, 2 * POOL, served.model, UNREAD_TOKENS):
+        # every upstream connection is held by a client that reads nothing; the stall
+        # timeout frees them while those clients are still connected
+        ok, answers = atk.first_ok_within(chat, body, FRESH_DEADLINE_S)
+        assert ok.status == 200, answers
+        # until then each fresh request was answered at once (503 after pool_wait_s)
+        assert all(a.status in (200, 503) and a.seconds < 2.0 for a in answers), answers
+        # and every stream admitted upstream (at least a pool's worth) ends by the stall
+        # timeout, not by its client leaving
+        stalls = _wait_metric(
+            served.url, "kvroute_errors_total", 'kind="write_stall"', stalls_before + POOL
+        )
+        assert POOL <= stalls - stalls_before <= 2 * POOL
+        assert _metric(served.url, "kvroute_client_disconnects_total", "") == disconnects
     ok, _ = atk.first_ok_within(chat, body, 3.0)
     assert ok.status == 200

@@ -1,7 +1,7 @@
 """A real `kvroute serve` in front of a simulated fleet (`kvroute sim fleet`), attacked over
-loopback with more slow uploads than max_in_flight and more unread streams than the upstream
-pool: a fresh request must get an answer quickly throughout and a 200 soon after
-(kvroute/testbed/edge_attacks.py holds the attacks)."""
+loopback with more slow uploads than max_in_flight, more unread streams than the upstream pool
+and more connections than uvicorn's limit_concurrency: a fresh request must get an answer
+quickly throughout and a 200 soon after (kvroute/testbed/edge_attacks.py holds the attacks)."""
 
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ LIMITS = {
     "KVROUTE_EDGE__CLIENT_SEND_BUFFER_BYTES": "16384",
 }
 POOL = int(LIMITS["KVROUTE_LIMITS__UPSTREAM_CONNECTIONS"])
+CONNECTIONS = int(LIMITS["KVROUTE_EDGE__LIMIT_CONCURRENCY"])
 # A non-reading client holds its stream until the kernel buffers between it and the router
 # fill (~100 KB with the send buffer above), then write_stall_s: 1,500 tokens (~400 KB of
 # events) always reach the stall, and keep the engines' wasted work short.
@@ -48,6 +49,7 @@ class Served:
     port: int
     pid: int
     model: str
+    log: Path
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +74,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         child = pg.start("router", cmd, env=env)
         url = f"http://127.0.0.1:{port}"
         wait_http(url + "/health", 60.0, child.popen)
-        yield Served(url, "127.0.0.1", port, child.popen.pid, fleet.model)
+        yield Served(url, "127.0.0.1", port, child.popen.pid, fleet.model, child.log)
 
 
 def _metric(url: str, name: str, label: str) -> float:
@@ -127,3 +129,21 @@ def test_unread_streams_beyond_the_upstream_pool(served: Served) -> None:
         assert _metric(served.url, "kvroute_client_disconnects_total", "") == disconnects
     ok, _ = atk.first_ok_within(chat, body, 3.0)
     assert ok.status == 200
+
+
+def test_connections_beyond_limit_concurrency(served: Served) -> None:
+    chat = served.url + "/v1/chat/completions"
+    body = atk.chat_body(served.model)
+    refused_before = _metric(served.url, "kvroute_errors_total", 'kind="concurrency_limit"')
+    with atk.idle_connections(served.host, served.port, CONNECTIONS + 16):
+        # uvicorn itself refuses, at once, without the app reading anything
+        fresh = [atk.post(chat, body, timeout_s=3.0) for _ in range(5)]
+        assert all(a.status == 503 and a.seconds < 1.0 for a in fresh), fresh
+    # the flood gone, the router serves again (its connections are released as they close)
+    ok, answers = atk.first_ok_within(chat, body, 3.0)
+    assert ok.status == 200, answers
+    refused = _metric(served.url, "kvroute_errors_total", 'kind="concurrency_limit"')
+    # each refusal counted (the /metrics scrapes themselves were not refused)
+    assert refused - refused_before == 5 + sum(a.status == 503 for a in answers)
+    # and logged once for all of them (uvicorn's own line, held back by the router)
+    assert served.log.read_text().count("Exceeded concurrency limit") == 1

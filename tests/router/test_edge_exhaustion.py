@@ -5,22 +5,15 @@ quickly throughout and a 200 soon after (kvroute/testbed/edge_attacks.py holds t
 
 from __future__ import annotations
 
-import os
-import sys
-import time
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
-import yaml
 
 from kvroute.testbed import edge_attacks as atk
-from kvroute.testbed.procs import ProcessGroup, free_port, wait_http
-from kvroute.testbed.sim_fleet import start_fleet
+from kvroute.testbed.edge_target import MIB, Target, metric, sim_fleet, start_router, wait_metric
+from kvroute.testbed.procs import ProcessGroup
 
-MIB = 1 << 20
 # the edge bounds of the router under attack (small, so a short test reaches them)
 LIMITS = {
     "KVROUTE_LIMITS__MAX_IN_FLIGHT": "16",
@@ -42,60 +35,45 @@ UNREAD_TOKENS = 1500
 FRESH_DEADLINE_S = 5.0
 
 
+BODY = 8 * MIB
+BODIES = 32  # at once, against a budget of BODY_BUDGET // BODY of them
+BODY_BUDGET = 64 * MIB
+# The bodies' router: they may take their time, only the budget of body bytes bounds them.
+BODY_LIMITS = {
+    "KVROUTE_LIMITS__MAX_IN_FLIGHT": "64",
+    "KVROUTE_LIMITS__MAX_BODY_BYTES": str(9 * MIB),
+    "KVROUTE_LIMITS__UPSTREAM_CONNECTIONS": "16",
+    "KVROUTE_EDGE__BODY_BYTES_IN_FLIGHT": str(BODY_BUDGET),
+    "KVROUTE_EDGE__BODY_READ_S": "20",
+    "KVROUTE_EDGE__LIMIT_CONCURRENCY": "128",
+}
+# Each admitted body may exist at once as the bytes received, its decoded JSON, the request
+# sent upstream and its unsent rest: at most four copies of the budget (3.4 measured).
+RSS_FACTOR = 4
+
+
 @dataclass
-class Served:
-    url: str
-    host: str
-    port: int
-    pid: int
-    model: str
-    log: Path
+class Routers:
+    attacked: Target
+    bodies: Target
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+def routers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Routers]:
     run_dir = tmp_path_factory.mktemp("edge")
     with ProcessGroup(run_dir) as pg:
-        fleet = start_fleet(
-            pg,
-            workers=2,
-            profile="dense",
-            run_dir=run_dir,
-            extra_args=["--speed", "1000", "--max-model-len", "65536", "--num-blocks", "32768"],
-        )
-        cfg = yaml.safe_load(Path(fleet.config_path).read_text())
-        cfg["health"] = {"interval_s": 0.5}
-        config = run_dir / "router.yaml"
-        config.write_text(yaml.safe_dump(cfg))
-        port = free_port()
-        cmd = [sys.executable, "-m", "kvroute", "serve", "--config", str(config)]
-        cmd += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
-        env = {**LIMITS, "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
-        child = pg.start("router", cmd, env=env)
-        url = f"http://127.0.0.1:{port}"
-        wait_http(url + "/health", 60.0, child.popen)
-        yield Served(url, "127.0.0.1", port, child.popen.pid, fleet.model, child.log)
+        fleet = sim_fleet(pg, run_dir)
+        attacked = start_router(pg, fleet, run_dir, LIMITS, "router")
+        bodies = start_router(pg, fleet, run_dir, BODY_LIMITS, "bodies")
+        yield Routers(attacked, bodies)
 
 
-def _metric(url: str, name: str, label: str) -> float:
-    with urllib.request.urlopen(url + "/metrics", timeout=5) as resp:
-        text = resp.read().decode()
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith((name + "{", name + " ")) and label in line
-    )
+@pytest.fixture
+def served(routers: Routers) -> Target:
+    return routers.attacked
 
 
-def _wait_metric(url: str, name: str, label: str, at_least: float, wait_s: float = 5.0) -> float:
-    """The metric once it reached `at_least`, or its value after `wait_s`."""
-    deadline = time.monotonic() + wait_s
-    while (value := _metric(url, name, label)) < at_least and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return value
-
-
-def test_slow_uploads_beyond_max_in_flight(served: Served) -> None:
+def test_slow_uploads_beyond_max_in_flight(served: Target) -> None:
     chat = served.url + "/v1/chat/completions"
     body = atk.chat_body(served.model)
     with atk.slow_uploads(served.host, served.port, 24, "/v1/chat/completions") as socks:
@@ -108,11 +86,11 @@ def test_slow_uploads_beyond_max_in_flight(served: Served) -> None:
     assert ok.status == 200
 
 
-def test_unread_streams_beyond_the_upstream_pool(served: Served) -> None:
+def test_unread_streams_beyond_the_upstream_pool(served: Target) -> None:
     chat = served.url + "/v1/chat/completions"
     body = atk.chat_body(served.model)
-    stalls_before = _metric(served.url, "kvroute_errors_total", 'kind="write_stall"')
-    disconnects = _metric(served.url, "kvroute_client_disconnects_total", "")
+    stalls_before = metric(served.url, "kvroute_errors_total", 'kind="write_stall"')
+    disconnects = metric(served.url, "kvroute_client_disconnects_total", "")
     with atk.unread_streams(served.host, served.port, 2 * POOL, served.model, UNREAD_TOKENS):
         # every upstream connection is held by a client that reads nothing; the stall
         # timeout frees them while those clients are still connected
@@ -122,19 +100,19 @@ def test_unread_streams_beyond_the_upstream_pool(served: Served) -> None:
         assert all(a.status in (200, 503) and a.seconds < 2.0 for a in answers), answers
         # and every stream admitted upstream (at least a pool's worth) ends by the stall
         # timeout, not by its client leaving
-        stalls = _wait_metric(
+        stalls = wait_metric(
             served.url, "kvroute_errors_total", 'kind="write_stall"', stalls_before + POOL
         )
         assert POOL <= stalls - stalls_before <= 2 * POOL
-        assert _metric(served.url, "kvroute_client_disconnects_total", "") == disconnects
+        assert metric(served.url, "kvroute_client_disconnects_total", "") == disconnects
     ok, _ = atk.first_ok_within(chat, body, 3.0)
     assert ok.status == 200
 
 
-def test_connections_beyond_limit_concurrency(served: Served) -> None:
+def test_connections_beyond_limit_concurrency(served: Target) -> None:
     chat = served.url + "/v1/chat/completions"
     body = atk.chat_body(served.model)
-    refused_before = _metric(served.url, "kvroute_errors_total", 'kind="concurrency_limit"')
+    refused_before = metric(served.url, "kvroute_errors_total", 'kind="concurrency_limit"')
     with atk.idle_connections(served.host, served.port, CONNECTIONS + 16):
         # uvicorn itself refuses, at once, without the app reading anything
         fresh = [atk.post(chat, body, timeout_s=3.0) for _ in range(5)]
@@ -142,8 +120,31 @@ def test_connections_beyond_limit_concurrency(served: Served) -> None:
     # the flood gone, the router serves again (its connections are released as they close)
     ok, answers = atk.first_ok_within(chat, body, 3.0)
     assert ok.status == 200, answers
-    refused = _metric(served.url, "kvroute_errors_total", 'kind="concurrency_limit"')
+    refused = metric(served.url, "kvroute_errors_total", 'kind="concurrency_limit"')
     # each refusal counted (the /metrics scrapes themselves were not refused)
     assert refused - refused_before == 5 + sum(a.status == 503 for a in answers)
     # and logged once for all of them (uvicorn's own line, held back by the router)
     assert served.log.read_text().count("Exceeded concurrency limit") == 1
+
+
+def test_large_bodies_at_once_stay_within_the_budget(routers: Routers) -> None:
+    bodies = routers.bodies
+    atk.large_bodies(bodies.host, bodies.port, 1, BODY, bodies.model)  # warm: first-use costs
+    refused_before = metric(bodies.url, "kvroute_errors_total", 'kind="body_budget"')
+    ok_before = metric(bodies.url, "kvroute_requests_total", 'status="200"')
+    atk.reset_peak(bodies.pid)
+    base_kib = atk.vm_kib(bodies.pid, "VmRSS")
+    statuses = atk.large_bodies(bodies.host, bodies.port, BODIES, BODY, bodies.model)
+    grown_mib = (atk.vm_kib(bodies.pid) - base_kib) / 1024
+    # all are held at once (none finishes before all have started): the budget admits its
+    # worth, the rest get 503 at once; every admitted one is answered, none is lost
+    admitted = BODY_BUDGET // BODY
+    assert sorted(statuses) == [200] * admitted + [503] * (BODIES - admitted), statuses
+    refused = metric(bodies.url, "kvroute_errors_total", 'kind="body_budget"')
+    assert refused - refused_before == BODIES - admitted
+    assert metric(bodies.url, "kvroute_requests_total", 'status="200"') - ok_before == admitted
+    assert grown_mib <= RSS_FACTOR * BODY_BUDGET / MIB, grown_mib
+    # the budget is whole again
+    assert (
+        atk.large_bodies(bodies.host, bodies.port, admitted, BODY, bodies.model) == [200] * admitted
+    )

@@ -27,6 +27,7 @@ from kvroute.router.config import RouterConfig, TokenizerConfig
 from kvroute.router.edge.openai_request import GENERATION_ENDPOINTS
 from kvroute.router.edge.passthrough import Passthrough
 from kvroute.router.edge.proxy import Proxy, ProxyEndpoint
+from kvroute.router.edge.refusals import counting_refusals
 from kvroute.router.edge.trust import TrustedPeers
 from kvroute.router.edge.upstream import Upstream
 from kvroute.router.fleet.discovery import parse_discovery_config, start_discovery
@@ -378,8 +379,10 @@ def create_app(
             policy.name,
             len(registry.model_cards()),
         )
+        refused = metrics.child(metrics.errors, "concurrency_limit")
         try:
-            yield
+            with counting_refusals(refused.inc):
+                yield
         finally:
             if discovery is not None:
                 await discovery.stop()

@@ -350,6 +350,11 @@ class EdgeConfig:
         "a streaming client that accepts no bytes for this many seconds is dropped and its "
         "upstream connection freed (> 0)",
     )
+    client_send_buffer_bytes: int = _f(
+        256 * 1024,
+        "kernel send buffer of each client connection (bytes, 0 or >= 4096; 0: the kernel's "
+        "autotuning, up to MiBs); what a client that stops reading holds before write_stall_s",
+    )
     request_deadline_s: float = _f(
         600.0,
         "seconds from dispatch to the answer's first byte, all attempts and retries included; "

@@ -362,6 +362,10 @@ def validate(c: RouterConfig) -> list[str]:
         edge.limit_concurrency >= lim.max_in_flight,
         "edge.limit_concurrency: below max_in_flight",
     )
+    need(
+        edge.client_send_buffer_bytes == 0 or edge.client_send_buffer_bytes >= 4096,
+        "edge.client_send_buffer_bytes: expected 0 or >= 4096",
+    )
     for key in ("body_read_s", "pool_wait_s", "write_stall_s", "request_deadline_s"):
         need(getattr(edge, key) > 0, f"edge.{key}: expected > 0")
     try:

@@ -463,7 +463,12 @@ def test_unsupported_requests_route_without_ids(model_dirs: dict[str, Path]) -> 
         (CHAT, {"model": "m", "messages": [{"role": "user", "content": [image]}]}, "multimodal"),
         (CHAT, {**_chat("x"), "truncate_prompt_tokens": 5}, "truncation"),
         (COMPLETIONS, {"model": "m", "prompt": "x", "suffix": "y"}, "suffix"),
-        ("/v1/responses", {"model": "m", "input": "x"}, "endpoint_not_local"),
+        (
+            "/v1/responses",
+            {"model": "m", "input": "x", "previous_response_id": "r"},
+            "responses_history",
+        ),
+        ("/v1/responses", {"model": "m", "input": "x", "reasoning": {}}, "responses_reasoning"),
     ]
 
     async def go() -> None:
@@ -475,6 +480,30 @@ def test_unsupported_requests_route_without_ids(model_dirs: dict[str, Path]) -> 
     run(go)
     for _, _, reason in cases:
         assert _value(reg, "kvroute_tokenize_unavailable_total", model="m", reason=reason) == 1
+
+
+def test_responses_input_is_tokenized_locally(model_dirs: dict[str, Path]) -> None:
+    """A Responses body gets the ids of its conversation (instructions as the system message,
+    the input as the user's), with the special tokens that endpoint adds."""
+    spec = TokenizerSpec("local", path=str(model_dirs["chatml"]))
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    chat = {"model": "m", "messages": messages, "add_special_tokens": True}
+    body = {"model": "m", "instructions": "be brief", "input": "hi"}
+    listed = {"model": "m", "instructions": "be brief", "input": [messages[1]]}
+
+    async def go() -> None:
+        tz = Tokenizers({"m": spec}, registry=CollectorRegistry())
+        want = await tz.token_ids("m", CHAT, chat, None)
+        assert want is not None and want.source == "local"
+        for request in (body, listed):
+            got = await tz.token_ids("m", "/v1/responses", request, None)
+            assert got == want
+        with pytest.raises(TokenizeError) as info:
+            await tz.token_ids("m", "/v1/responses", {"model": "m", "input": [5]}, None)
+        assert info.value.param == "input"
+        await tz.aclose()
+
+    run(go)
 
 
 def test_embeddings_text_input(model_dirs: dict[str, Path]) -> None:

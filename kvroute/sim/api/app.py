@@ -26,6 +26,8 @@ from kvroute.sim.api.requests import (
     render_chat,
     resolve_model,
 )
+from kvroute.sim.api.responses import ResponsesAnswer
+from kvroute.sim.api.responses_request import parse_responses
 from kvroute.sim.engine.core import Engine, EngineConfig
 from kvroute.sim.publisher import EventPublisher
 
@@ -66,6 +68,7 @@ def build_app(
     cfg = engine.config
     failures = FailurePlan(seed=fail_seed)
     gen = Generation(engine, failures, name)
+    responses_answer = ResponsesAnswer(gen)
     created = int(time.time())
 
     def gated(handler: Handler) -> Handler:
@@ -89,6 +92,16 @@ def build_app(
     async def chat(request: Request) -> Response:
         received = time.monotonic()
         return await gen.chat(parse_chat(await _json(request), cfg, engine.tokenizer), received)
+
+    async def responses(request: Request) -> Response:
+        parsed = parse_responses(await _json(request), cfg, engine.tokenizer)
+        return await responses_answer.answer(parsed)
+
+    async def render_responses(request: Request) -> Response:
+        req = parse_responses(await _json(request), cfg, engine.tokenizer).run
+        ids = req.prompts[0]
+        max_tokens = req.sampling.max_tokens or cfg.max_model_len - len(ids)
+        return JSONResponse(_generate_request("resp-render", ids, req.model, max_tokens, req))
 
     async def render_completions(request: Request) -> Response:
         req = parse_completion(await _json(request), cfg, engine.tokenizer)
@@ -209,7 +222,9 @@ def build_app(
         Route("/v1/models", gated(models), methods=["GET"]),
         Route("/v1/completions", gated(completions), methods=["POST"]),
         Route("/v1/chat/completions", gated(chat), methods=["POST"]),
+        Route("/v1/responses", gated(responses), methods=["POST"]),
         Route("/v1/completions/render", gated(render_completions), methods=["POST"]),
+        Route("/v1/responses/render", gated(render_responses), methods=["POST"]),
         Route("/v1/chat/completions/render", gated(render_chat_completions), methods=["POST"]),
         Route("/tokenize", gated(tokenize), methods=["POST"]),
         Route("/detokenize", gated(detokenize), methods=["POST"]),

@@ -1,11 +1,13 @@
-"""The simulated engine's `/v1/responses` answers against vLLM 0.33's own classes (run with
-the vLLM environment's Python, KVROUTE_VLLM_PYTHON).
+"""The simulated engine's `/v1/responses` and `/v1/embeddings` answers against vLLM 0.33's own
+classes and functions (run with the vLLM environment's Python, KVROUTE_VLLM_PYTHON).
 
 For each request the sim answered, vLLM's `ResponsesResponse.from_request` builds the response
 from the same request, the same output items and usage: the sim's JSON must be exactly that
 dump (every field, every echoed request field, vLLM's defaults). Every streamed event must be
 valid to the event class vLLM's streaming code builds for its type, dump to itself, and come
-in vLLM's order. (No vLLM server runs here: it needs model weights; the classes decide shapes.)
+in vLLM's order. An embeddings answer must dump to itself through `EmbeddingResponse`, count
+the prompt tokens vLLM's tokenizer gives the input, and encode base64 as vLLM's own encoder
+does. (No vLLM server runs here: it needs model weights; the classes decide shapes.)
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import pytest
 from vllm_recording import vllm_python
 
 from kvroute.sim.engine.core import EngineConfig
+from kvroute.sim.model import MODEL_DIR
 from kvroute.sim.server import SimEngineThread
 
 pytestmark = pytest.mark.vllm
@@ -76,9 +79,40 @@ json.dump(out, sys.stdout)
 """
 
 
-def _vllm(job: dict[str, Any]) -> list[dict[str, Any]]:
+_EMBED_SCRIPT = r"""
+import json, sys
+from types import SimpleNamespace
+import torch
+from pydantic import TypeAdapter
+from vllm.entrypoints.pooling.embed.protocol import EmbeddingRequest, EmbeddingResponse
+from vllm.entrypoints.pooling.utils import encode_pooling_output_base64
+from vllm.tokenizers.registry import get_tokenizer
+
+job = json.load(sys.stdin)
+tok = get_tokenizer(job["model_dir"])
+out = []
+for case in job["cases"]:
+    req = TypeAdapter(EmbeddingRequest).validate_python(case["body"])
+    texts = req.input if isinstance(req.input, list) else [req.input]
+    tokens = sum(len(tok(t, add_special_tokens=req.add_special_tokens)["input_ids"])
+                 for t in texts)
+    answer = case["answer"]
+    base64 = [encode_pooling_output_base64(
+                  SimpleNamespace(outputs=SimpleNamespace(data=torch.tensor(v))),
+                  "float32", req.endianness)
+              for v in case["floats"]]
+    out.append({
+        "dump": EmbeddingResponse.model_validate(answer).model_dump(mode="json"),
+        "prompt_tokens": tokens,
+        "base64": base64,
+    })
+json.dump(out, sys.stdout)
+"""
+
+
+def _vllm(job: dict[str, Any], script: str = _SCRIPT) -> list[dict[str, Any]]:
     done = subprocess.run(
-        [str(vllm_python()), "-c", _SCRIPT],
+        [str(vllm_python()), "-c", script],
         input=json.dumps(job),
         capture_output=True,
         text=True,
@@ -93,6 +127,13 @@ def _vllm(job: dict[str, Any]) -> list[dict[str, Any]]:
 @pytest.fixture(scope="module")
 def client() -> Iterator[httpx.Client]:
     config = EngineConfig(speed=200, num_blocks=1024, max_model_len=MAX_MODEL_LEN)
+    with SimEngineThread(config) as sim, httpx.Client(base_url=sim.url, timeout=30) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def pooling() -> Iterator[httpx.Client]:
+    config = EngineConfig(speed=200, num_blocks=1024, max_model_len=MAX_MODEL_LEN, runner="pooling")
     with SimEngineThread(config) as sim, httpx.Client(base_url=sim.url, timeout=30) as c:
         yield c
 
@@ -171,3 +212,42 @@ def test_responses_answers_are_vllms_shapes(client: httpx.Client) -> None:
         outputs.append(deltas)
     assert statuses == {"completed", "incomplete"}
     assert outputs[0] > 0 and outputs[-1] == 0
+
+
+EMBED_INPUTS: list[Any] = [
+    "The router keeps warm prefixes together.",
+    ["first text to embed", "a second, longer text to embed than the first one"],
+]
+
+
+def test_embeddings_answers_are_vllms_shapes(pooling: httpx.Client) -> None:
+    cases = []
+    for value in EMBED_INPUTS:
+        for fmt, order in (("float", "native"), ("base64", "native"), ("base64", "big")):
+            body = {"model": "kvroute-sim", "input": value, "encoding_format": fmt}
+            if order != "native":
+                body["endianness"] = order
+            r = pooling.post("/v1/embeddings", json=body)
+            assert r.status_code == 200, r.text
+            floats = pooling.post("/v1/embeddings", json={**body, "encoding_format": "float"})
+            vectors = [d["embedding"] for d in floats.json()["data"]]
+            cases.append({"body": body, "answer": r.json(), "floats": vectors})
+    got = _vllm({"model_dir": str(MODEL_DIR), "cases": cases}, _EMBED_SCRIPT)
+    for case, ref in zip(cases, got, strict=True):
+        answer = case["answer"]
+        assert answer == ref["dump"]
+        assert answer["id"].startswith("embd-") and answer["object"] == "list"
+        assert answer["usage"]["prompt_tokens"] == ref["prompt_tokens"]
+        assert answer["usage"]["total_tokens"] == ref["prompt_tokens"]
+        n = 1 if isinstance(case["body"]["input"], str) else len(case["body"]["input"])
+        assert [d["index"] for d in answer["data"]] == list(range(n))
+        if case["body"]["encoding_format"] == "base64":
+            assert [d["embedding"] for d in answer["data"]] == ref["base64"]
+        else:
+            for vector in case["floats"]:
+                assert abs(sum(v * v for v in vector) - 1.0) < 1e-5  # normalised, as vLLM's
+
+
+def test_a_generate_engine_has_no_embeddings_route(client: httpx.Client) -> None:
+    r = client.post("/v1/embeddings", json={"model": "kvroute-sim", "input": "x"})
+    assert r.status_code == 404 and r.json() == {"detail": "Not Found"}

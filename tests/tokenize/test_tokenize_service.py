@@ -20,6 +20,10 @@ from prometheus_client import CollectorRegistry
 from kvroute.router.tokenize import TokenizedPrompt, TokenizeError, Tokenizers, TokenizerSpec
 from kvroute.router.tokenize.local import LocalTokenizer
 from kvroute.router.tokenize.prefix_cache import PrefixCache
+from kvroute.sim.api.responses_request import render_responses
+from kvroute.sim.engine.core import EngineConfig
+from kvroute.sim.server import SimEngineThread
+from kvroute.sim.tokenizer import SimTokenizer
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -728,6 +732,55 @@ def test_render_falls_back_to_tokenize_and_remembers(model_dirs: dict[str, Path]
     run(go)
     assert engine.hits["/v1/chat/completions/render"] == 1
     assert engine.hits["/tokenize"] == 3
+
+
+RESPONSES_BODY = {
+    "model": "kvroute-sim",
+    "instructions": "Answer briefly.",
+    "input": [
+        {"role": "user", "content": [{"type": "input_text", "text": "what is a block?"}]},
+        {"type": "message", "role": "assistant", "content": "A unit of KV cache."},
+        {"role": "user", "content": "and a page?"},
+    ],
+    "stream": True,
+}
+
+
+def test_render_mode_responses_from_a_simulated_engine() -> None:
+    """The ids of a Responses request from the engine's /v1/responses/render, and through
+    /tokenize (as the conversation vLLM renders) where render is refused: both the ids the
+    engine prefills."""
+    want = render_responses(RESPONSES_BODY, SimTokenizer())[1]
+
+    async def go(url: str) -> None:
+        tz = Tokenizers({"kvroute-sim": TokenizerSpec("render")}, render_timeout_s=5.0)
+        got = await tz.token_ids("kvroute-sim", "/v1/responses", RESPONSES_BODY, url)
+        assert got == TokenizedPrompt(want, "render")
+        await tz.aclose()
+
+    with SimEngineThread(EngineConfig(speed=100)) as sim:
+        run(lambda: go(sim.url))
+
+
+def test_render_falls_back_to_tokenize_for_responses(model_dirs: dict[str, Path]) -> None:
+    engine = FakeEngine(model_dirs["chatml"])
+    engine.render_status = 403  # vLLM without --enable-scale-out
+    body = {**RESPONSES_BODY, "model": "m"}
+
+    async def go() -> None:
+        tz = Tokenizers({"m": TokenizerSpec("render")}, render_timeout_s=1.0)
+        async with serve(engine) as url:
+            got = await tz.token_ids("m", "/v1/responses", body, url)
+            sent = engine.bodies[-1]
+            assert sent["add_special_tokens"] is True and sent["add_generation_prompt"] is True
+            assert sent["messages"][0] == {"role": "system", "content": "Answer briefly."}
+            assert got == TokenizedPrompt(engine.tok.chat_ids(sent)[0], "render")
+            with_history = {**body, "previous_response_id": "resp_1"}
+            assert await tz.token_ids("m", "/v1/responses", with_history, url) is None
+        await tz.aclose()
+
+    run(go)
+    assert engine.hits["/tokenize"] == 1
 
 
 @pytest.mark.parametrize(

@@ -58,6 +58,11 @@ class ModelSpec:
         "send plain chat requests as /v1/completions of the router's token ids, so the engine "
         "does not tokenize them again; needs a tokenizer giving the engine's exact ids",
     )
+    embeddings_use_cache: bool = _f(
+        False,
+        "an embedding model whose /v1/embeddings read the prefix cache (decoder, last-token "
+        "pooling: vLLM keeps prefix caching on); off: embeddings get no cache evidence",
+    )
 
 
 @dataclass(frozen=True, slots=True)

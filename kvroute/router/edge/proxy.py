@@ -45,6 +45,7 @@ from kvroute.router.edge.openai_request import (
     parse_request,
     with_stream_usage,
 )
+from kvroute.router.edge.prefill_watch import ResponsesPrefillWatch
 from kvroute.router.edge.retry import Backoff, RetryBudget, retryable_status
 from kvroute.router.edge.sse import SseFilter, Usage, usage_from_json
 from kvroute.router.edge.trust import TrustedPeers, peer_of
@@ -458,6 +459,8 @@ class Proxy:
             headers = [*headers, ("x-data-parallel-rank", str(worker.spec.dp_rank))]
         dispatched = time.perf_counter()
         predicted = cand.reuse  # of the whole prompt (`_complete` rescores a partial one)
+        # a Responses stream's first byte precedes its prefill: watch for the end instead
+        watch = ResponsesPrefillWatch() if req.stream and out.path == RESPONSES else None
         resp: UpstreamResponse | None = None
         verdict = False
         try:
@@ -482,11 +485,8 @@ class Proxy:
                         if prompt.partial is not None:
                             predicted = await self._complete(worker, cand, prompt, record)
                         first = await resp.next_chunk()
-                        worker.load.steps.observe(self._clock())
-                        if self._prefill_rate is not None and first:
-                            self._prefill_rate.observe(
-                                cand.queued_tokens + cand.uncached, time.perf_counter() - dispatched
-                            )
+                        if watch is None or watch.feed(first):
+                            self._prefill_ended(worker, cand, dispatched)
                     else:
                         first = await resp.read()
             except UpstreamPoolTimeout as exc:
@@ -509,7 +509,13 @@ class Proxy:
             # From here on the client gets this worker's answer: no more retries.
             breaker.record_success()
             verdict = True
-            ticket.prefill_done()
+            prefill_to_come = None
+            if watch is None or watch.done:
+                ticket.prefill_done()
+            else:
+                ended = partial(self._prefill_ended, worker, cand, dispatched, ticket)
+                prefill_to_come = (watch, ended)
+
             metrics.child(metrics.ttfb, worker.name).observe(time.perf_counter() - dispatched)
             metrics.child(metrics.upstream, worker.name, f"{resp.status // 100}xx").inc()
             record.status = resp.status
@@ -522,8 +528,9 @@ class Proxy:
             tap = AnswerTap() if out.keep_answer_for is not None else None
             if req.stream and resp.status == 200:
                 usage = await self._stream(
-                    resp, first, out_headers, out, send, record, worker.load.steps, tap
-                )
+                    resp, first, out_headers, out, send, record, worker.load.steps, tap,
+                    prefill_to_come,
+                )  # fmt: skip
             else:
                 resp.release()
                 await send(
@@ -548,6 +555,19 @@ class Proxy:
             if resp is not None:
                 resp.abort()  # no-op once released; drops a half-read connection
             self._registry.request_finished(worker)
+
+    def _prefill_ended(
+        self, worker: Worker, cand: Candidate, dispatched: float, ticket: LoadTicket | None = None
+    ) -> None:
+        """A stream's prefill just ended (its first output arrived): a step of the worker's
+        clock, a sample of its prefill rate, and `ticket`'s queued prefill released."""
+        if ticket is not None:
+            ticket.prefill_done()
+        worker.load.steps.observe(self._clock())
+        if self._prefill_rate is not None:
+            self._prefill_rate.observe(
+                cand.queued_tokens + cand.uncached, time.perf_counter() - dispatched
+            )
 
     async def _complete(
         self, worker: Worker, cand: Candidate, prompt: Prompt, record: DecisionRecord
@@ -579,9 +599,11 @@ class Proxy:
         record: DecisionRecord,
         steps: StepClock,
         tap: AnswerTap | None = None,
+        prefill: tuple[ResponsesPrefillWatch, Callable[[], None]] | None = None,
     ) -> Usage | None:
         """Relay the stream; each chunk's arrival also ticks the worker's step clock (an
-        engine step's end sends every running stream a chunk)."""
+        engine step's end sends every running stream a chunk). `prefill`: a watch for the
+        prefill's end still to come, and what to call then."""
         sse = SseFilter(strip_usage_chunk=outgoing.inject_usage)
         chat = ChatStream() if outgoing.as_chat else None
         clock = self._clock
@@ -601,6 +623,10 @@ class Proxy:
                     await send({"type": "http.response.body", "body": out, "more_body": True})
                 out = b""
                 chunk = await resp.next_chunk()
+                if prefill is not None and prefill[0].feed(chunk):
+                    prefill[1]()
+                    prefill = None
+                    continue  # the step was observed with the prefill's end
                 steps.observe(clock())
         except (UpstreamConnectError, UpstreamTimeout) as exc:
             self._metrics.child(self._metrics.errors, MID_STREAM.kind).inc()

@@ -222,7 +222,8 @@ class Routing:
             return Prompt(None, "none", estimate, route.lora_name, req.cache_salt)
         self._metrics.child(self._metrics.token_source, got.source).inc()
         ids = got.token_ids
-        cacheable = not skips_prefix_cache(req)
+        spec = self._models.get(route.base)
+        cacheable = not skips_prefix_cache(req, spec is not None and spec.embeddings_use_cache)
         pending = got.pending
         if pending is not None:
             n = pending.estimated_tokens

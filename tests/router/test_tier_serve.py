@@ -6,8 +6,10 @@ prices CPU tokens as a transfer, so w1 beats the cold worker and loses to the GP
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +62,10 @@ def held(name: str) -> events_pb2.KvEventBatch:
     return batch
 
 
-async def scenario(engine_url: str, cfg_path: Path) -> None:
+@contextlib.asynccontextmanager
+async def tier_router(engine_url: str, cfg_path: Path) -> AsyncIterator[httpx.AsyncClient]:
+    """The bridges and a `kvroute serve` in front of the three workers, every worker's
+    events live; yields a client of the router (admin headers set)."""
     bridges = {name: FakeBridge() for name in ("w0", "w1", "w2")}
     for name, bridge in bridges.items():
         await bridge.start()
@@ -84,59 +89,24 @@ async def scenario(engine_url: str, cfg_path: Path) -> None:
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "kvroute", "serve", "--config", str(cfg_path), env=env
     )
-    headers = {"authorization": f"Bearer {ADMIN}"}
     try:
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as http:
-
-            async def score(prompt: str) -> dict[str, Any]:
-                resp = await http.post(
-                    "/admin/score?endpoint=/v1/completions",
-                    json={"model": "m", "prompt": PROMPTS[prompt], "max_tokens": 1},
-                    headers=headers,
-                )
-                assert resp.status_code == 200, resp.text
-                answer: dict[str, Any] = resp.json()
-                return answer
-
+        async with httpx.AsyncClient(
+            base_url=f"http://127.0.0.1:{port}",
+            timeout=10,
+            headers={"authorization": f"Bearer {ADMIN}"},
+        ) as http:
             deadline = asyncio.get_running_loop().time() + 60
             while True:  # until the router is up and every worker's events are live
                 try:
-                    got = await score("a")
-                    by = {w["worker"]: w for w in got["workers"]}
-                    if all(w.get("events_live") for w in by.values()) and len(by) == 3:
+                    by = await score(http, "a")
+                    if len(by) == 3 and all(w.get("events_live") for w in by.values()):
                         break
-                except httpx.HTTPError:
+                except (httpx.HTTPError, AssertionError):
                     pass
                 assert proc.returncode is None, "kvroute serve exited"
                 assert asyncio.get_running_loop().time() < deadline, "router never went live"
                 await asyncio.sleep(0.2)
-
-            n = len(PROMPTS["a"])
-            got = await score("a")
-            by = {w["worker"]: w for w in got["workers"]}
-            assert by["w2"]["tier_tokens"] == {"gpu": n - 1, "cpu": 0, "storage": 0, "prefill": 1}
-            assert by["w1"]["tier_tokens"] == {"gpu": 0, "cpu": n - 1, "storage": 0, "prefill": 1}
-            assert by["w0"]["tier_tokens"] == {"gpu": 0, "cpu": 0, "storage": 0, "prefill": n}
-            assert by["w1"]["terms"]["tier_load"] > 0 and by["w2"]["terms"]["tier_load"] == 0
-            # the CPU copy beats the cold worker and loses to the GPU copy
-            assert by["w2"]["est_ttft_s"] < by["w1"]["est_ttft_s"] < by["w0"]["est_ttft_s"]
-            assert got["chosen"] == "w2"
-
-            got = await score("b")  # only w1 holds B, in its CPU tier
-            assert got["chosen"] == "w1" and got["reason"] == "cache", got["detail"]
-            by = {w["worker"]: w for w in got["workers"]}
-            assert by["w1"]["est_ttft_s"] < min(by["w0"]["est_ttft_s"], by["w2"]["est_ttft_s"])
-
-            # a routed request: its decision keeps the tokens per tier
-            resp = await http.post(
-                "/v1/completions", json={"model": "m", "prompt": PROMPTS["b"], "max_tokens": 1}
-            )
-            assert resp.status_code == 200, resp.text
-            log = (await http.get("/admin/decisions", headers=headers)).json()["decisions"]
-            last = log[-1]
-            assert last["chosen"] == "w1" and last["predicted_cached_tokens"] == n - 1
-            cands = {c["worker"]: c for c in last["candidates"]}
-            assert cands["w1"]["tier_tokens"]["cpu"] == n - 1
+            yield http
     finally:
         if proc.returncode is None:
             proc.terminate()
@@ -147,6 +117,47 @@ async def scenario(engine_url: str, cfg_path: Path) -> None:
                 await proc.wait()
         for bridge in bridges.values():
             await bridge.stop()
+
+
+async def score(http: httpx.AsyncClient, prompt: str, answer: dict[str, Any] | None = None) -> Any:
+    """POST /admin/score for a prompt: its workers by name (the whole answer into `answer`)."""
+    resp = await http.post(
+        "/admin/score?endpoint=/v1/completions",
+        json={"model": "m", "prompt": PROMPTS[prompt], "max_tokens": 1},
+    )
+    assert resp.status_code == 200, resp.text
+    got: dict[str, Any] = resp.json()
+    if answer is not None:
+        answer.update(got)
+    return {w["worker"]: w for w in got["workers"]}
+
+
+async def scenario(engine_url: str, cfg_path: Path) -> None:
+    async with tier_router(engine_url, cfg_path) as http:
+        n = len(PROMPTS["a"])
+        got: dict[str, Any] = {}
+        by = await score(http, "a", got)
+        assert by["w2"]["tier_tokens"] == {"gpu": n - 1, "cpu": 0, "storage": 0, "prefill": 1}
+        assert by["w1"]["tier_tokens"] == {"gpu": 0, "cpu": n - 1, "storage": 0, "prefill": 1}
+        assert by["w0"]["tier_tokens"] == {"gpu": 0, "cpu": 0, "storage": 0, "prefill": n}
+        assert by["w1"]["terms"]["tier_load"] > 0 and by["w2"]["terms"]["tier_load"] == 0
+        # the CPU copy beats the cold worker and loses to the GPU copy
+        assert by["w2"]["est_ttft_s"] < by["w1"]["est_ttft_s"] < by["w0"]["est_ttft_s"]
+        assert got["chosen"] == "w2"
+
+        by = await score(http, "b", got)  # only w1 holds B, in its CPU tier
+        assert got["chosen"] == "w1" and got["reason"] == "cache", got["detail"]
+        assert by["w1"]["est_ttft_s"] < min(by["w0"]["est_ttft_s"], by["w2"]["est_ttft_s"])
+
+        # a routed request: its decision keeps the tokens per tier
+        resp = await http.post(
+            "/v1/completions", json={"model": "m", "prompt": PROMPTS["b"], "max_tokens": 1}
+        )
+        assert resp.status_code == 200, resp.text
+        last = (await http.get("/admin/decisions")).json()["decisions"][-1]
+        assert last["chosen"] == "w1" and last["predicted_cached_tokens"] == n - 1
+        cands = {c["worker"]: c for c in last["candidates"]}
+        assert cands["w1"]["tier_tokens"]["cpu"] == n - 1
 
 
 def test_a_cpu_copy_beats_a_cold_worker_and_loses_to_a_gpu_copy(tmp_path: Path) -> None:

@@ -10,7 +10,10 @@ prompt tokens the CPU tier and then the storage tier give, with the rule of vLLM
   a chunk counts when every full-attention group holds it in a lower tier, consecutive
   chunks from there, up to the prompt's length;
 - fewer tokens than one chunk beyond the GPU hit give nothing. The chunk is learned from the
-  tier's stores (one store = one chunk);
+  tier's live stores (one store = one chunk). A snapshot keeps no chunk boundaries (the
+  bridge joins a chain of chunks into one run), so a view built from one assumes the greatest
+  common divisor of its runs, a multiple of the chunk (a lower answer, never higher), until a
+  live store shows the chunk; a chunk learned before the snapshot stays if it divides that;
 - a worker with a sliding-window or Mamba group gets nothing from lower tiers: vLLM would
   need that group's window or state from the tier too, and publishes those chunks without
   tokens, so no event can confirm them (the answer is lower than vLLM's, never higher);
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Container, Sequence
 from dataclasses import dataclass
+from math import gcd
 
 from kvroute.indexer.group_cache import GroupCache
 from kvroute.indexer.layout import Layout, Rule
@@ -51,11 +55,16 @@ class TierTokens:
 
 
 class _TierView:
-    __slots__ = ("cache", "chunk")
+    __slots__ = ("cache", "live_chunk", "snapshot_chunk")
 
     def __init__(self, cache: GroupCache) -> None:
         self.cache = cache
-        self.chunk = 0  # tokens per offloaded chunk: the largest store seen
+        self.live_chunk = 0  # tokens per offloaded chunk: the largest live store seen
+        self.snapshot_chunk = 0  # the last snapshot's runs' common divisor (a multiple)
+
+    @property
+    def chunk(self) -> int:
+        return self.live_chunk or self.snapshot_chunk
 
 
 class TierIndex:
@@ -115,15 +124,20 @@ class TierIndex:
                 events=events,
                 lineage=lineage,
             )
-            view.chunk = 0
-            self._learn_chunk(view, events)
+            runs = 0
+            for event in events:
+                if event.operation == _STORE and event.token_ids:
+                    runs = gcd(runs, len(event.block_hashes) * event.block_size)
+            view.snapshot_chunk = runs
+            if not runs or (view.live_chunk and runs % view.live_chunk):
+                view.live_chunk = 0
             view.cache.apply_snapshot(part)
 
     @staticmethod
     def _learn_chunk(view: _TierView, events: Sequence[events_pb2.KvGroupEvent]) -> None:
         for event in events:
             if event.operation == _STORE and event.token_ids:
-                view.chunk = max(view.chunk, len(event.block_hashes) * event.block_size)
+                view.live_chunk = max(view.live_chunk, len(event.block_hashes) * event.block_size)
 
     def invalidate(self, worker_id: str) -> None:
         """The worker's stream was lost: its lower tiers give nothing until new evidence."""
@@ -133,6 +147,14 @@ class TierIndex:
     def remove_worker(self, worker_id: str) -> None:
         """Forget the worker."""
         self._views.pop(worker_id, None)
+
+    def knows(self, worker_id: str) -> bool:
+        """Whether any lower-tier event of the worker was ever applied (and not forgotten)."""
+        return worker_id in self._views
+
+    def workers(self) -> list[str]:
+        """The workers with a lower-tier view, in the order they were first seen."""
+        return list(self._views)
 
     def blocks(self, worker_id: str) -> dict[int, int]:
         """Tier -> blocks with a known position held there (bounded per tier)."""

@@ -106,6 +106,16 @@ class PolicyConfig:
         "weight (>= 0) of the expected wait for a worker's step in flight, whose period is learned "
         "from the stream chunks relayed; 0 = off",
     )
+    cpu_tier_tokens_per_s: float = _f(
+        200_000.0,
+        "offloaded KV: tokens/s (> 0) a worker loads from its CPU tier instead of prefilling them; "
+        "host-to-GPU bandwidth / KV bytes per token (200k: PCIe 4 x16 at 128 KiB per token)",
+    )
+    storage_tier_tokens_per_s: float = _f(
+        30_000.0,
+        "offloaded KV: tokens/s (> 0) a worker loads from its storage tier (disk, remote store); "
+        "read bandwidth / KV bytes per token (30k: a local NVMe drive at 128 KiB per token)",
+    )
     saturation_queue_s: float = _f(
         2.0, "a worker whose queued prefill exceeds this many seconds is saturated"
     )

@@ -327,7 +327,13 @@ def validate(c: RouterConfig) -> list[str]:
 
     p = c.policy
     need(p.name in POLICY_NAMES, f"policy.name: expected one of {', '.join(POLICY_NAMES)}")
-    for key in ("prefill_tokens_per_s", "saturation_queue_s", "session_bounded_load"):
+    for key in (
+        "prefill_tokens_per_s",
+        "cpu_tier_tokens_per_s",
+        "storage_tier_tokens_per_s",
+        "saturation_queue_s",
+        "session_bounded_load",
+    ):
         need(getattr(p, key) > 0, f"policy.{key}: expected a number > 0")
     need(p.tokens_per_running >= 0, "policy.tokens_per_running: expected >= 0")
     need(p.tokens_per_running_home >= 0, "policy.tokens_per_running_home: expected >= 0")

@@ -167,3 +167,36 @@ def test_snapshot_replaces_the_tiers() -> None:
     assert index.split("w", LAYOUT, KEYS[2], n, 0) == TierTokens(0, 0, 3 * CHUNK)
     index.invalidate("w")
     assert index.split("w", LAYOUT, KEYS[2], n, 0) == TierTokens(0)
+
+
+def joined(prompt: int, chunks: int, tier: int) -> KvGroupEvent:
+    """The first `chunks` chunks of a prompt as one run, as a bridge's snapshot sends them."""
+    event = chunk_event(STORE, prompt, 0, tier)
+    for c in range(1, chunks):
+        part = chunk_event(STORE, prompt, c, tier)
+        event.block_hashes.extend(part.block_hashes)
+        event.token_ids.extend(part.token_ids)
+    return event
+
+
+def test_a_snapshot_of_joined_chunks_assumes_a_multiple_until_a_live_store() -> None:
+    snapshot = Snapshot(sequence=5, has_sequence=True)
+    snapshot.tier_events.append(joined(2, 4, Tier.CPU))
+    n = len(PROMPTS[2])
+    late = TierIndex()
+    late.apply_snapshot("w", snapshot)
+    # the run of 4 chunks looks like one chunk of 4: a GPU hit of one chunk leaves 3 chunks,
+    # less than that, so nothing (vLLM would load 3 chunks: lower, never higher)
+    assert late.split("w", LAYOUT, KEYS[2], n, CHUNK) == TierTokens(CHUNK)
+    assert late.split("w", LAYOUT, KEYS[2], n, 0) == TierTokens(0, 4 * CHUNK)
+    live = KvEventBatch(sequence=6)
+    live.tier_events.append(chunk_event(STORE, 2, 4, Tier.CPU))
+    late.apply("w", live)  # a live store shows the real chunk
+    assert late.split("w", LAYOUT, KEYS[2], n, CHUNK) == TierTokens(CHUNK, 4 * CHUNK)
+    # a router that learned the chunk live keeps it across a snapshot it divides
+    warm = TierIndex()
+    first = KvEventBatch(sequence=0)
+    first.tier_events.append(chunk_event(STORE, 0, 0, Tier.CPU))
+    warm.apply("w", first)
+    warm.apply_snapshot("w", snapshot)
+    assert warm.split("w", LAYOUT, KEYS[2], n, CHUNK) == TierTokens(CHUNK, 3 * CHUNK)

@@ -458,7 +458,8 @@ class Proxy:
         if worker.url_shared:
             headers = [*headers, ("x-data-parallel-rank", str(worker.spec.dp_rank))]
         dispatched = time.perf_counter()
-        predicted = cand.reuse  # of the whole prompt (`_complete` rescores a partial one)
+        # of the whole prompt (`_complete` rescores a partial one), lower tiers included
+        predicted = cand.predicted_cached
         # a Responses stream's first byte precedes its prefill: watch for the end instead
         watch = ResponsesPrefillWatch() if req.stream and out.path == RESPONSES else None
         resp: UpstreamResponse | None = None
@@ -575,11 +576,14 @@ class Proxy:
         """Finish a partial prompt while the engine prefills it: the whole ids, the chosen
         worker's expectation, and its prediction for the whole prompt (returned: what the
         verifier and the response header report; the decision log's predicted tokens too).
-        The candidates keep the picture the policy decided on. On failure: `cand.reuse`."""
+        The candidates keep the picture the policy decided on. On failure: the candidate's."""
         try:
             if not await self._routing.complete(prompt):
-                return cand.reuse
+                return cand.predicted_cached
             predicted = self._routing.reuse(prompt).get(worker.name)
+            tier = (prompt.tiers or {}).get(worker.name)
+            if predicted is not None and tier is not None:
+                predicted += tier.total
             if record.decision.chosen is cand:
                 record.decision.predicted_reuse = predicted or 0
             self._routing.expect(worker, prompt)
@@ -587,7 +591,7 @@ class Proxy:
         except Exception as exc:  # the request is already with the engine: never fail it here
             self._ratelog.error("complete", "finishing a partial prompt failed: %r", exc)
             self._metrics.child(self._metrics.errors, "tokenize").inc()
-            return cand.reuse
+            return cand.predicted_cached
 
     async def _stream(
         self,

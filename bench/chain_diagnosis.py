@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from kvroute.testbed.stats import Difference, paired_bootstrap
 from kvroute.testbed.trace import MOONCAKE_BLOCK_TOKENS, read_mooncake
 from kvroute.testbed.trace_chains import link_chains
 
@@ -177,11 +178,34 @@ def summarize(rows: Sequence[Continuation]) -> str:
     return "\n".join(lines)
 
 
+def compare_by_chain(
+    trace: Path, first: Sequence[dict[str, Any]], second: Sequence[dict[str, Any]]
+) -> dict[str, Difference | None]:
+    """TTFT p50 and p99 of the first router's replay minus the second's, with paired
+    cluster-bootstrap intervals whose clusters are the trace's chains (a conversation's
+    requests are correlated, so whole chains are resampled, the same ones for both)."""
+    chain = link_chains([r.hash_ids for r in read_mooncake(trace)]).chain
+
+    def by_chain(records: Sequence[dict[str, Any]]) -> dict[int, list[float]]:
+        out: dict[int, list[float]] = defaultdict(list)
+        for r in records:
+            if r.get("status") == 200 and r.get("ttft") is not None:
+                out[chain[int(r["id"].removeprefix("mc-"))]].append(float(r["ttft"]))
+        return out
+
+    a, b = by_chain(first), by_chain(second)
+    clusters = [(a.get(k, []), b.get(k, [])) for k in sorted(a.keys() | b.keys())]
+    return {f"ttft_p{q:g}": paired_bootstrap(clusters, q) for q in (50.0, 99.0)}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.chain_diagnosis", description=__doc__)
     p.add_argument("--trace", required=True, help="the Mooncake-format trace that was replayed")
     p.add_argument("--run-dir", required=True, help="the run folder (holds <router>.records.jsonl)")
     p.add_argument("--router", default="kvroute", help="router name of the run files")
+    p.add_argument(
+        "--against", default=None, help="also compare TTFT with this router's run, by chain"
+    )
     args = p.parse_args(argv)
     run = Path(args.run_dir)
     records = _read_jsonl(run / f"{args.router}.records.jsonl")
@@ -191,6 +215,13 @@ def main(argv: list[str] | None = None) -> int:
     with open(run / f"{args.router}.chains.json", "w", encoding="utf-8") as out:
         json.dump([asdict(r) for r in rows], out, indent=1)
     print(summarize(rows))
+    if args.against:
+        other = _read_jsonl(run / f"{args.against}.records.jsonl")
+        for name, d in compare_by_chain(Path(args.trace), records, other).items():
+            shown = (
+                "-" if d is None else f"{d.diff:+.3f} s [{d.low:+.3f}, {d.high:+.3f}] {d.verdict}"
+            )
+            print(f"{args.router} minus {args.against}, {name}: {shown}")
     return 0
 
 

@@ -141,3 +141,17 @@ def test_cli_writes_rows_next_to_the_run(
     written = json.loads((run / "kvroute.chains.json").read_text())
     assert [r["id"] for r in written] == ["mc-000002", "mc-000003"]
     assert "| left | load |" in capsys.readouterr().out
+
+
+def test_ttft_compared_by_chain(tmp_path: Path) -> None:
+    from bench.chain_diagnosis import compare_by_chain
+
+    trace, records, _ = _run(tmp_path)
+    fast = [dict(r, ttft=0.1 + i / 100) for i, r in enumerate(records)]
+    slow = [dict(r, ttft=1.0 + i / 100) for i, r in enumerate(records)]
+    d = compare_by_chain(trace, fast, slow)
+    p50 = d["ttft_p50"]
+    assert p50 is not None and p50.diff == pytest.approx(-0.9)
+    assert p50.high < 0 and p50.verdict == "lower"
+    same = compare_by_chain(trace, fast, fast)["ttft_p99"]
+    assert same is not None and same.diff == 0.0 and same.verdict == "not distinguishable"

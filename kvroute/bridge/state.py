@@ -32,9 +32,14 @@ attribution is a `CopyTable`, an open-addressing table of key -> slot arrays (12
 slot) instead of a dict of bytes objects (tests/bridge/test_bridge_state_model.py checks
 the state against a small model of these promises).
 
+Tiers (spec §10): a batch's `tier_events` (CPU, STORAGE) go to one more `EngineState` per
+lower tier, created on first use, with the same bounds; an INVALID or a contradiction there
+discards that tier's view only, a CLEAR in `events` empties every tier. The snapshot carries
+each tier's view in `tier_events` / `tier_lineage`, every event marked with its tier.
+
 Building a snapshot of a large state takes a while, so `snapshot_steps` builds the same
-message in bounded steps and serialized pieces, for a caller that keeps the state unchanged
-meanwhile (kvroute.bridge.stream).
+message, tiers included, in bounded steps and serialized pieces, for a caller that keeps the
+state unchanged meanwhile (kvroute.bridge.stream).
 
 Bounds: `max_blocks` live copies (beyond it the oldest records are dropped and counted: a
 late subscriber then sees less than the engine holds, never more), `max_lineage_blocks`
@@ -46,12 +51,15 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Generator, Iterable, Iterator
-from typing import Any, Final, TypeAlias
+from typing import TYPE_CHECKING, Any, Final, TypeAlias
 
 from kvroute.bridge import packed_tokens
 from kvroute.bridge.copy_table import MAX_SLOT, CopyTable, Key, hash_of, hashes_of, key_of, keys_of
-from kvroute.bridge.groups import Groups, with_invalid_before
-from kvroute.proto.events_pb2 import KvEventBatch, KvGroupEvent, Snapshot, SubscribeResponse
+from kvroute.bridge.groups import LOWER_TIERS, Groups, with_invalid_before
+from kvroute.proto.events_pb2 import KvEventBatch, KvGroupEvent, Snapshot, SubscribeResponse, Tier
+
+if TYPE_CHECKING:
+    from google.protobuf.internal.containers import RepeatedCompositeFieldContainer
 
 STORE: Final = KvGroupEvent.STORE
 REMOVE: Final = KvGroupEvent.REMOVE
@@ -194,6 +202,7 @@ class EngineState:
         self._lineage: dict[int, _Record] = {}
         self.blocks = 0  # live copies
         self.lineage_blocks = 0  # blocks of the records in _lineage
+        self._tiers: dict[Tier.ValueType, EngineState] = {}  # lower tier -> its view
 
     # -- queries --------------------------------------------------------------------------
 
@@ -211,13 +220,35 @@ class EngineState:
     def records(self) -> int:
         return len(self._records)
 
+    def tier(self, tier: Tier.ValueType) -> EngineState | None:
+        """A lower tier's view (None until the engine reported that tier)."""
+        return self._tiers.get(tier)
+
+    @property
+    def tiers(self) -> dict[Tier.ValueType, EngineState]:
+        """Lower tier -> its view, for the tiers the engine reported."""
+        return dict(self._tiers)
+
+    def _tier_state(self, tier: Tier.ValueType) -> EngineState:
+        state = self._tiers.get(tier)
+        if state is None:
+            state = EngineState(
+                self.dp_rank,
+                max_blocks=self.max_blocks,
+                max_groups=self.max_groups,
+                max_lineage_blocks=self.max_lineage_blocks,
+            )
+            self._tiers[tier] = state
+        return state
+
     # -- updates --------------------------------------------------------------------------
 
     def reset(self) -> None:
-        """Forget everything, groups and sequence included."""
+        """Forget everything, groups and sequence included, in every tier."""
         self.last_sequence = None
         self._groups.clear()
         self._clear_blocks()
+        self._tiers.clear()
 
     def _clear_blocks(self) -> None:
         self._records.clear()
@@ -238,13 +269,32 @@ class EngineState:
         INVALID event (view discarded) precedes the contradicting event, for the state and
         every subscriber alike.
         """
-        amended: list[tuple[int, KvGroupEvent]] = []
+        amended = self._apply_events(batch.events)
+        if any(event.operation == CLEAR for event in batch.events):
+            for state in self._tiers.values():
+                state._clear_blocks()
+        tier_amended: set[int] = set()
+        if batch.tier_events:
+            for tier in LOWER_TIERS:
+                # A tier this bridge does not know never reaches its own output.
+                at = [i for i, event in enumerate(batch.tier_events) if event.tier == tier]
+                if at:
+                    local = self._tier_state(tier)._apply_events(batch.tier_events[i] for i in at)
+                    tier_amended.update(at[i] for i in local)
+        self.last_sequence = batch.sequence
+        if not amended and not tier_amended:
+            return batch
+        return with_invalid_before(batch, amended, tier_amended)
+
+    def _apply_events(self, events: Iterable[KvGroupEvent]) -> set[int]:
+        """Apply events in order; the positions that needed an INVALID before them."""
+        amended: set[int] = set()
         scratch = _BatchScratch()
-        for index, event in enumerate(batch.events):
+        for index, event in enumerate(events):
             op = event.operation
             if op == STORE:
                 if not self._declare(event):
-                    amended.append((index, event))
+                    amended.add(index)
                     self._apply_invalid()
                     self._declare(event)
                 self._store(event, scratch)
@@ -254,10 +304,7 @@ class EngineState:
                 self._clear_blocks()
             else:
                 self._apply_invalid()
-        self.last_sequence = batch.sequence
-        if not amended:
-            return batch
-        return with_invalid_before(batch, {index for index, _ in amended})
+        return amended
 
     def _apply_invalid(self) -> None:
         self.stats.invalid_resets += 1
@@ -505,15 +552,24 @@ class EngineState:
         if self.last_sequence is not None:
             snap.sequence = self.last_sequence
             snap.has_sequence = True
+        yield from self._build_view(sink, budget, Tier.GPU)
+        for tier in sorted(self._tiers):
+            yield from self._tiers[tier]._build_view(sink, budget, tier)
+        sink.finish()
+
+    def _build_view(self, sink: _Sink, budget: _Budget, tier: Tier.ValueType) -> Iterator[None]:
+        """Add this view's events and lineage to `sink`, each event marked with `tier` (GPU:
+        `events` and `lineage`; a lower tier: `tier_events` and `tier_lineage`)."""
         groups = self._groups.table
         for gid in sorted(groups):
             group = groups[gid]
-            snap.events.add(
+            sink.events_of(tier).add(
                 operation=STORE,
                 group_id=gid,
                 kind=group.kind,
                 sliding_window=group.window,
                 block_size=group.block_size,
+                tier=tier,
             )
             sink.added(0)
         runs = yield from self._live_runs(budget)
@@ -522,7 +578,7 @@ class EngineState:
         lineage = yield from _lineage_for(ordered, defines, budget)
         for record in lineage:
             meta = record.meta
-            sink.snap.lineage.add(
+            sink.lineage_of(tier).add(
                 operation=STORE,
                 group_id=meta.group,
                 block_hashes=hashes_of(record.hashes),
@@ -536,6 +592,7 @@ class EngineState:
                 lora_name=meta.lora,
                 cache_namespace=record.salt,
                 unmatchable=meta.unmatchable,
+                tier=tier,
             )
             sink.added(len(record.hashes))
             if budget.spend(len(record.hashes)):
@@ -556,7 +613,7 @@ class EngineState:
                 parent, salt = record.parent, record.salt
                 if len(tokens) == len(hashes) * meta.block_size:
                     tokens = ()  # never let a trimmed sparse record look dense
-            sink.snap.events.add(
+            sink.events_of(tier).add(
                 operation=STORE,
                 group_id=meta.group,
                 block_hashes=hashes_of(hashes),
@@ -568,11 +625,11 @@ class EngineState:
                 lora_name=meta.lora,
                 cache_namespace=salt,
                 unmatchable=meta.unmatchable,
+                tier=tier,
             )
             sink.added(len(hashes))
             if budget.spend(len(hashes)):
                 yield
-        sink.finish()
 
     def _live_runs(self, budget: _Budget) -> Generator[None, None, list[_Run]]:
         """(record, start, stop, live hashes) in arrival order; dense records as runs."""
@@ -645,28 +702,38 @@ class _Sink:
     """Where a snapshot's events go: one `Snapshot` (pieces None), or serialized pieces of
     about `piece_blocks` blocks each, so that no single serialization is large."""
 
-    __slots__ = ("blocks", "events", "message", "piece_blocks", "pieces", "snap")
+    __slots__ = ("blocks", "events", "message", "piece_blocks", "pieces", "snap", "unsent")
 
     def __init__(self, pieces: list[bytes] | None, piece_blocks: int = 0) -> None:
         self.pieces = pieces
         self.piece_blocks = piece_blocks
         self.events = 0
         self.blocks = 0  # in the current piece
+        self.unsent = 0  # events in the current piece (group declarations hold no block)
         self.message = SubscribeResponse()
         self.snap = Snapshot()
         if pieces is not None:
             self.snap = self.message.snapshot
             self.snap.SetInParent()  # the first piece says "snapshot" even when empty
 
+    def events_of(self, tier: Tier.ValueType) -> RepeatedCompositeFieldContainer[KvGroupEvent]:
+        """Where a view's events go in the current piece (the GPU's apart from the rest)."""
+        return self.snap.events if tier == Tier.GPU else self.snap.tier_events
+
+    def lineage_of(self, tier: Tier.ValueType) -> RepeatedCompositeFieldContainer[KvGroupEvent]:
+        """Where a view's lineage goes in the current piece."""
+        return self.snap.lineage if tier == Tier.GPU else self.snap.tier_lineage
+
     def added(self, blocks: int) -> None:
         """One event was added to `snap`, holding `blocks` blocks."""
         self.events += 1
+        self.unsent += 1
         self.blocks += blocks
         if self.pieces is not None and self.blocks >= self.piece_blocks:
             self._flush()
 
     def finish(self) -> None:
-        if self.pieces is not None and (self.blocks or not self.pieces):
+        if self.pieces is not None and (self.unsent or not self.pieces):
             self._flush()
 
     def _flush(self) -> None:
@@ -675,6 +742,7 @@ class _Sink:
         self.message = SubscribeResponse()
         self.snap = self.message.snapshot
         self.blocks = 0
+        self.unsent = 0
 
 
 def _has_repeats(record: _Record) -> bool:

@@ -26,12 +26,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections import deque
+from collections import Counter, deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Final
 
-from kvroute.bridge.groups import Groups, amend
+from kvroute.bridge.convert import TIER_NAMES
+from kvroute.bridge.groups import TierGroups, amend
 from kvroute.bridge.metrics import BridgeMetrics
 from kvroute.bridge.state import EngineState, SnapshotPieces
 from kvroute.proto.events_pb2 import (
@@ -40,6 +41,7 @@ from kvroute.proto.events_pb2 import (
     Snapshot,
     SubscribeRequest,
     SubscribeResponse,
+    Tier,
 )
 
 log = logging.getLogger(__name__)
@@ -59,6 +61,18 @@ _KINDS: Final = {
     KvGroupEvent.CLEAR: "clear",
     KvGroupEvent.INVALID: "invalid",
 }
+
+
+def _count_tiers(m: BridgeMetrics, label: str, batch: KvEventBatch) -> None:
+    """Count a batch's events per tier and kind (one label lookup per pair)."""
+    counts: Counter[tuple[Tier.ValueType, KvGroupEvent.Operation.ValueType]] = Counter(
+        (event.tier, event.operation) for event in batch.tier_events
+    )
+    counts.update((Tier.GPU, event.operation) for event in batch.events)
+    for (tier, op), count in counts.items():
+        name = TIER_NAMES.get(tier)
+        if name is not None:
+            m.tier_events.labels(label, name, _KINDS.get(op, "invalid")).inc(count)
 
 
 @dataclass(frozen=True)
@@ -163,7 +177,7 @@ class RankStream:
         self._label = str(dp_rank)
         self._builds = builds if builds is not None else SnapshotBuilds(metrics=metrics)
         # Groups and sequence as sent: the state may be behind (see the module docstring).
-        self._groups = Groups(state.max_groups)
+        self._groups = TierGroups(state.max_groups)
         self.last_sequence: int | None = state.last_sequence
         self._subscribers: set[Subscriber] = set()  # following the live batches
         self._waiting: dict[Subscriber, str] = {}  # waiting for a snapshot -> its reason
@@ -196,6 +210,7 @@ class RankStream:
         m.batches.labels(label).inc()
         for event in sent.events:
             m.events.labels(label, _KINDS.get(event.operation, "invalid")).inc()
+        _count_tiers(m, label, sent)
         m.last_sequence.labels(label).set(sent.sequence)
         message = SubscribeResponse(batch=sent).SerializeToString()
         self._remember(sent.sequence, message)
@@ -232,6 +247,9 @@ class RankStream:
         m.evicted_blocks.labels(label).inc(stats.evicted_blocks - before_evicted)
         m.evicted_lineage_blocks.labels(label).inc(stats.evicted_lineage_blocks - before_lineage)
         m.state_blocks.labels(label).set(self.state.blocks)
+        m.tier_blocks.labels(label, TIER_NAMES[Tier.GPU]).set(self.state.blocks)
+        for tier, view in self.state.tiers.items():
+            m.tier_blocks.labels(label, TIER_NAMES[tier]).set(view.blocks)
         m.lineage_blocks.labels(label).set(self.state.lineage_blocks)
         if stats.invalid_resets != before_invalid:
             m.resets.labels(label, "invalid_event").inc()

@@ -59,6 +59,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="sim: kvroute's reimplementation; vllm: vLLM's real KVCacheManager "
         "(kvroute.sim.vllm_backend, only where vLLM is installed)",
     )
+    p.add_argument(
+        "--runner",
+        choices=("generate", "pooling"),
+        default="generate",
+        help="generate: completions, chat, responses; pooling: an embedding model "
+        "(/v1/embeddings only), as vLLM's --runner",
+    )
     p.add_argument("--log-level", default="warning")
 
 
@@ -92,6 +99,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         retention_interval=args.retention,
         speed=args.speed,
         seed=args.seed,
+        runner=args.runner,
     )
 
 
@@ -105,7 +113,7 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
         "--retention", "none" if args.retention is None else str(args.retention),
         "--speed", str(args.speed), "--seed", str(args.seed),
         "--wire-version", args.wire_version, "--topic", args.topic, "--log-level", args.log_level,
-        "--cache-backend", args.cache_backend,
+        "--cache-backend", args.cache_backend, "--runner", args.runner,
     ]  # fmt: skip
     for name in args.lora:
         out += ["--lora", name]

@@ -8,6 +8,9 @@
   counters exactly (max_blocks eviction included); the lineage bound by invariants; and each
   snapshot by its meaning to a subscriber (groups, copies, and the content key the real
   indexer gives each block), never a wrong position and every position it must give.
+- With lower tiers: each tier's view against an `EngineState` fed that tier's events alone,
+  and, GPU and tiers alike, the snapshot built in steps against `snapshot()` and a rank
+  stream's amendment (`groups.amend`) against the state's.
 """
 
 from __future__ import annotations
@@ -22,12 +25,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvroute.bridge.copy_table import CopyTable, Key, hash_of, hashes_of, key_of, keys_of
-from kvroute.bridge.groups import Groups, amend
+from kvroute.bridge.groups import LOWER_TIERS, TierGroups, amend
 from kvroute.bridge.state import EngineState, SnapshotPieces
 from kvroute.indexer.keys import Namespace, content_keys
 from kvroute.indexer.lineage import Lineage
 from kvroute.indexer.presence import DictSink
-from kvroute.proto.events_pb2 import KvEventBatch, KvGroupEvent, Snapshot, SubscribeResponse
+from kvroute.proto.events_pb2 import KvEventBatch, KvGroupEvent, Snapshot, SubscribeResponse, Tier
 
 STORE, REMOVE, CLEAR, INVALID = (
     KvGroupEvent.STORE,
@@ -337,14 +340,22 @@ def check_snapshot(state: EngineState, model: Model, reason: str) -> None:
     declared2, counts2, keys2 = meaning(again.snapshot())
     assert (declared2, counts2) == (declared, counts) and keys2.items() <= keys.items()
     assert keys2 == keys or snap.lineage
-    # Built in steps of one block, in serialized pieces: the same message once concatenated.
+    check_steps(state, snap, reason)
+    check_steps(state, snap, reason)
+
+
+def check_steps(state: EngineState, snap: Snapshot, reason: str) -> None:
+    """Built in steps of one block, in serialized pieces: the same message as `snap` once
+    concatenated behind a head giving the reason, tiers included."""
     pieces = SnapshotPieces()
     steps = sum(1 for _ in state.snapshot_steps(pieces, stream_id="s", step_blocks=1))
-    assert steps >= state.blocks and len(pieces.pieces) >= min(1, state.blocks)
+    blocks = state.blocks + sum(view.blocks for view in state.tiers.values())
+    assert steps >= blocks and len(pieces.pieces) >= min(1, blocks)
     head = SubscribeResponse(snapshot=Snapshot(reason=reason)).SerializeToString()
     whole = SubscribeResponse.FromString(head + b"".join(pieces.pieces))
     assert whole.WhichOneof("message") == "snapshot" and whole.snapshot == snap
-    assert pieces.events == len(snap.events) + len(snap.lineage)
+    parts = (snap.events, snap.lineage, snap.tier_events, snap.tier_lineage)
+    assert pieces.events == sum(len(part) for part in parts)
 
 
 BS = 2
@@ -444,7 +455,7 @@ def test_engine_state_matches_the_model(
         max_blocks=max_blocks, max_lineage_blocks=max_lineage, max_groups=max_groups
     )
     model = Model(max_blocks, max_groups)
-    groups = Groups(max_groups)
+    groups = TierGroups(max_groups)
     held: Counter[tuple[int, bytes]] = Counter()  # what was stored, evicted or not
     lineage_evicted = 0
     for seq, op in enumerate(ops):
@@ -505,3 +516,80 @@ def test_engine_state_matches_the_model(
         lineage_evicted = s.evicted_lineage_blocks
         check_snapshot(state, model, "")
     check_snapshot(state, model, "r")
+
+
+# -- lower tiers: stepped snapshot and amendment, against per-tier reference states ------
+
+UNKNOWN_TIER: Any = 7  # a tier this bridge does not know: passed through, never kept
+_TIERS = (Tier.GPU, Tier.CPU, Tier.CPU, Tier.STORAGE, UNKNOWN_TIER)
+
+
+def _untiered(events: Any) -> list[KvGroupEvent]:
+    out = []
+    for event in events:
+        copy = KvGroupEvent()
+        copy.CopyFrom(event)
+        copy.tier = Tier.GPU
+        out.append(copy)
+    return out
+
+
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(
+    st.lists(
+        st.lists(st.tuples(_state_op, st.sampled_from(_TIERS)), min_size=1, max_size=3),
+        min_size=10,
+        max_size=40,
+    ),
+    st.sampled_from([4, 30, 10**6]),
+    st.sampled_from([3, 64]),
+)
+def test_tiers_stepped_snapshot_and_amendment_match_the_state(
+    batches: list[list[tuple[tuple[Any, ...], Any]]], max_blocks: int, max_groups: int
+) -> None:
+    prompts = [[p * 100 + i for i in range(12)] for p in range(6)]
+    bounds = dict(max_blocks=max_blocks, max_groups=max_groups)
+    state = EngineState(**bounds)
+    groups = TierGroups(max_groups)
+    refs = {tier: EngineState(**bounds) for tier in LOWER_TIERS}  # one tier's events alone
+    stored: list[tuple[int, bytes]] = []
+    for seq, parts in enumerate(batches):
+        batch = KvEventBatch(sequence=seq)
+        for op, tier in parts:
+            if op[0] == "store":
+                events = _stores(op, prompts)
+            elif op[0] in ("remove", "drain"):
+                picked = stored[op[1] % len(stored) :][:2] if stored and len(op) > 1 else stored
+                events = [dict(operation=REMOVE, group_id=g, block_hashes=[x]) for g, x in picked]
+            elif op[0] == "remove_unknown":
+                events = [dict(operation=REMOVE, group_id=op[1], block_hashes=[b"nope"])]
+            elif op[0] in ("clear", "invalid"):
+                events = [dict(operation=CLEAR if op[0] == "clear" else INVALID)]
+            else:  # group 1 changes kind: an INVALID in this tier only
+                events = [dict(operation=STORE, group_id=1, kind="mamba", block_size=BS)]
+            target = batch.events if tier == Tier.GPU else batch.tier_events
+            for event in events:
+                target.add(**event, tier=tier)
+                stored.extend((event["group_id"], x) for x in event.get("block_hashes", ()))
+        sent = amend(groups, batch)  # a rank stream amends before the state applies
+        got = state.apply(batch)
+        assert sent == got
+        assert [e.tier for e in got.events] == [Tier.GPU] * len(got.events)
+        for tier, ref in refs.items():
+            if any(e.operation == CLEAR for e in batch.events):
+                ref.apply(KvEventBatch(sequence=seq, events=[KvGroupEvent(operation=CLEAR)]))
+            mine = [e for e in batch.tier_events if e.tier == tier]
+            expected = ref.apply(KvEventBatch(sequence=seq, events=_untiered(mine)))
+            # The tier's amended events are the reference's, marked with the tier.
+            assert _untiered(e for e in got.tier_events if e.tier == tier) == list(expected.events)
+            view = state.tier(tier)
+            assert (view.blocks if view else 0) == ref.blocks
+        others = [e for e in got.tier_events if e.tier not in LOWER_TIERS]
+        assert others == [e for e in batch.tier_events if e.tier not in LOWER_TIERS]
+        snap = state.snapshot(stream_id="s", reason="initial")
+        for tier, ref in refs.items():
+            want = ref.snapshot()
+            assert _untiered(e for e in snap.tier_events if e.tier == tier) == list(want.events)
+            assert _untiered(e for e in snap.tier_lineage if e.tier == tier) == list(want.lineage)
+        assert {e.tier for e in [*snap.tier_events, *snap.tier_lineage]} <= set(LOWER_TIERS)
+        check_steps(state, snap, "initial")

@@ -52,6 +52,9 @@ class EngineConfig:
     seed: int = 0  # mixed into every request's generation seed
     gpu: GpuModel = DEFAULT_GPU
     model_dir: str = str(MODEL_DIR)
+    # "generate", or "pooling": an embedding model (a decoder with last-token pooling, which
+    # vLLM serves with prefix caching on: its embed requests read and fill the cache)
+    runner: str = "generate"
 
     def cache_spec(self) -> CacheSpec:
         """The cache layout and limits; ValueError if one max_model_len request cannot fit."""

@@ -442,6 +442,7 @@ class RankStream:
     def _catch_up_step(self) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + _STEP_S
+        self._apply_to_state(*self._pending.popleft())  # progress whatever the clock says
         while self._pending and loop.time() < deadline:
             self._apply_to_state(*self._pending.popleft())
         self._metrics.pending_batches.labels(self._label).set(len(self._pending))

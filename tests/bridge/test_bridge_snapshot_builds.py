@@ -285,8 +285,19 @@ def builds(bridge: Bridge, rank: int, name: str = "snapshot_builds", **labels: s
 def test_builds_are_capped_over_ranks_and_shared_by_the_subscribers_waiting(cap: int) -> None:
     async def test(bridge: Bridge, engines: list[Engine]) -> None:
         target = f"127.0.0.1:{bridge.grpc_port}"
+        # Every slot held until all six subscribers wait, so that both ranks' builds are
+        # due at once however slowly the subscribers connect.
+        taken = contextlib.AsyncExitStack()
+        for _ in range(cap):
+            await taken.enter_async_context(bridge.snapshot_builds.slot())
         recorders = [Recorder(target, dp_rank=rank) for rank in (0, 1) for _ in range(3)]
         try:
+            await eventually(
+                lambda: all(bridge.streams[rank].subscriber_count == 3 for rank in (0, 1)), 30
+            )
+            await taken.aclose()
+            assert bridge.snapshot_builds.running == 0  # none started past the cap
+            bridge.snapshot_builds.peak = 0  # the test's own slots do not count
             await eventually(lambda: all(r.snapshots() for r in recorders), 30)
             # Both ranks needed a build at once: the cap, and only the cap, kept them apart.
             assert bridge.snapshot_builds.peak == cap
@@ -295,6 +306,7 @@ def test_builds_are_capped_over_ranks_and_shared_by_the_subscribers_waiting(cap:
                 assert recorder.view.counts == engines[index // 3].held
             assert [builds(bridge, rank) for rank in (0, 1)] == [1, 1]  # 3 served by 1
         finally:
+            await taken.aclose()
             for recorder in recorders:
                 await recorder.close()
 

@@ -20,6 +20,9 @@ POLICY_NAMES = (
     "session",
 )
 TOKENIZER_MODES = ("render", "request")  # anything else is a local model directory
+# A worker's part in prefill/decode disaggregation (vLLM's kv_role kv_producer / kv_consumer);
+# "both" serves whole requests (a mixed pool).
+WORKER_ROLES = ("both", "prefill", "decode")
 
 
 def _f(default: Any, doc: str) -> Any:
@@ -40,6 +43,11 @@ class WorkerSpec:
     dp_rank: int = _f(0, "data-parallel rank of the engine this worker stands for")
     model: str | None = _f(None, "served model name; learned from /v1/models when unset")
     instance: str = _f("", "incarnation id (e.g. pod uid); a change means a new engine")
+    role: str = _f(
+        "both",
+        "both (serves whole requests), prefill or decode (one half of a disaggregated model; "
+        "needs model set)",
+    )
 
 
 @dataclass(frozen=True, slots=True)

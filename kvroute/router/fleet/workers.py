@@ -82,7 +82,9 @@ def _as_worker_spec(spec: WorkerSpec | DiscoveredSpec) -> WorkerSpec:
     """Accept any record with the `workers:` entry fields (e.g. discovery's WorkerSpec)."""
     if isinstance(spec, WorkerSpec):
         return spec
-    fields = ("name", "url", "bridge", "zmq", "replay", "topic", "dp_rank", "model", "instance")
+    fields = (
+        "name", "url", "bridge", "zmq", "replay", "topic", "dp_rank", "model", "instance", "role",
+    )  # fmt: skip
     return WorkerSpec(**{f: getattr(spec, f) for f in fields if hasattr(spec, f)})
 
 

@@ -177,6 +177,7 @@ class Admin:
             "bridge": w.spec.bridge,
             "zmq": w.spec.zmq,
             "dp_rank": w.spec.dp_rank,
+            "role": w.spec.role,
             "models": sorted(w.serves()),
             "status": w.status(),
             "state": w.state,

@@ -15,7 +15,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from kvroute.sim.api import faults as fault_rules
-from kvroute.sim.api.errors import ApiError, bad_request
+from kvroute.sim.api.errors import ApiError, bad_request, not_found
 from kvroute.sim.api.faults import FailurePlan
 from kvroute.sim.api.openai import Generation
 from kvroute.sim.api.requests import (
@@ -27,6 +27,7 @@ from kvroute.sim.api.requests import (
     resolve_model,
 )
 from kvroute.sim.engine.core import Engine, EngineConfig
+from kvroute.sim.engine.kv_transfer import PULL_PATH
 from kvroute.sim.publisher import EventPublisher
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -164,6 +165,24 @@ def build_app(
         ok = await engine.reset_prefix_cache()
         return Response(status_code=200 if ok else 400)
 
+    async def kv_pull(request: Request) -> Response:
+        """A decode peer read a kept prefill's blocks: free them (vLLM's pull notification).
+        404 when this engine keeps no such blocks (never, or no longer: the lease ran out)."""
+        body = await _json(request)
+        kv = engine.kv
+        if kv is None:
+            raise not_found("this engine has no KV connector (--kv-role)")
+        if not isinstance(body, dict):
+            raise bad_request("request body must be a JSON object")
+        rid, eid = body.get("remote_request_id"), body.get("remote_engine_id")
+        if not isinstance(rid, str) or not isinstance(eid, str):
+            raise bad_request("remote_request_id and remote_engine_id must be strings")
+        lease = kv.take(rid, eid)
+        if lease is None:
+            raise not_found(f"no kept blocks for request {rid!r}")
+        engine.wake()
+        return JSONResponse({"blocks": sum(len(g) for g in lease.block_ids)})
+
     # ---- /sim admin: never gated, so a hung engine can be released -----------------------
     async def probe(request: Request) -> Response:
         """Oracle for benchmarks: the hit this request would get now (no side effects)."""
@@ -222,6 +241,7 @@ def build_app(
         Route("/sim/faults", _answered(post_faults), methods=["POST"]),
         Route("/sim/state", get_faults, methods=["GET"]),
         Route("/sim/probe", _answered(probe), methods=["POST"]),
+        Route(PULL_PATH, _answered(kv_pull), methods=["POST"]),
     ]
     return Starlette(routes=routes, lifespan=lifespan)
 
@@ -326,6 +346,8 @@ def _sim_state(
     }
     if publisher is not None:
         state["events"] = publisher.state()
+    if engine.kv is not None:
+        state["kv_transfer"] = engine.kv.state()
     return state
 
 

@@ -158,6 +158,26 @@ class PolicyConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class PdConfig:
+    """How the decode half of a disaggregated (prefill/decode) request is placed."""
+
+    link_gbps: float = _f(
+        400.0,
+        "bandwidth a decode worker pulls KV blocks from a prefill worker at, Gbit/s (> 0; "
+        "default one 400G RDMA NIC)",
+    )
+    kv_bytes_per_token: int = _f(
+        131072,
+        "KV cache bytes per token of the served model, all layers (>= 1; Llama-3.1-8B BF16: "
+        "131072)",
+    )
+    running_s: float = _f(
+        0.002,
+        "decode cost charged per sequence already running on a decode worker, seconds (>= 0)",
+    )
+
+
+@dataclass(frozen=True, slots=True)
 class LimitsConfig:
     max_body_bytes: int = _f(16 * 1024 * 1024, "request bodies above this get 413")
     max_in_flight: int = _f(4096, "requests in flight in this process above this get 503")
@@ -359,6 +379,10 @@ class RouterConfig:
     )
     policy: PolicyConfig = field(
         default_factory=PolicyConfig, metadata={"doc": "how a worker is chosen"}
+    )
+    pd: PdConfig = field(
+        default_factory=PdConfig,
+        metadata={"doc": "prefill/decode disaggregation: choosing the decode worker"},
     )
     limits: LimitsConfig = field(
         default_factory=LimitsConfig, metadata={"doc": "bounds on requests and memory"}

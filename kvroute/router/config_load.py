@@ -336,6 +336,10 @@ def validate(c: RouterConfig) -> list[str]:
     need(p.expect_seconds >= 0, "policy.expect_seconds: expected >= 0")
     need(p.avg_prompt_tokens >= 0, "policy.avg_prompt_tokens: expected >= 0")
 
+    need(c.pd.link_gbps > 0, "pd.link_gbps: expected > 0")
+    need(c.pd.kv_bytes_per_token >= 1, "pd.kv_bytes_per_token: expected >= 1")
+    need(c.pd.running_s >= 0, "pd.running_s: expected >= 0")
+
     lim = c.limits
     for key in ("max_body_bytes", "max_in_flight", "decisions_buffer", "max_workers"):
         need(getattr(lim, key) >= 1, f"limits.{key}: expected >= 1")

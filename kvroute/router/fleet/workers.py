@@ -19,6 +19,10 @@ from kvroute.router.fleet.load import WorkerLoad
 
 ACTIVE = "active"
 DRAINING = "draining"
+# worker roles (`WorkerSpec.role`)
+BOTH = "both"
+PREFILL = "prefill"
+DECODE = "decode"
 
 
 @dataclass(frozen=True, slots=True)

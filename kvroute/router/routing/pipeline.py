@@ -18,7 +18,7 @@ from kvroute.ratelog import RateLimitedLog
 from kvroute.router.config import ModelSpec, PolicyConfig
 from kvroute.router.edge.errors import NO_WORKER, TOKENIZE, UNKNOWN_MODEL, RouterError
 from kvroute.router.edge.openai_request import CHAT, ClientRequest, skips_prefix_cache
-from kvroute.router.fleet.workers import ModelRoute, Worker, WorkerRegistry
+from kvroute.router.fleet.workers import BOTH, DECODE, PREFILL, ModelRoute, Worker, WorkerRegistry
 from kvroute.router.ops.metrics import RouterMetrics
 from kvroute.router.routing.index_view import IndexView
 from kvroute.router.routing.policy import (
@@ -183,11 +183,25 @@ class Routing:
         return route
 
     def eligible(self, route: ModelRoute, exclude: Collection[str] = ()) -> list[Worker]:
+        """Workers that may run a request's prefill: mixed workers, and prefill workers while
+        a decode worker can take the rest (decode workers never start a request)."""
+        now = self._clock()
+        ready = [w for w in self.registry.serving(route.name) if w.takes_requests(now)]
+        has_decode = any(w.spec.role == DECODE for w in ready)
+        return [
+            w
+            for w in ready
+            if w.name not in exclude
+            and (w.spec.role == BOTH or (w.spec.role == PREFILL and has_decode))
+        ]
+
+    def decode_pool(self, route: ModelRoute, exclude: Collection[str] = ()) -> list[Worker]:
+        """The decode workers that may take a request's decode half now."""
         now = self._clock()
         return [
             w
             for w in self.registry.serving(route.name)
-            if w.takes_requests(now) and w.name not in exclude
+            if w.spec.role == DECODE and w.takes_requests(now) and w.name not in exclude
         ]
 
     def sends_token_ids(self, route: ModelRoute) -> bool:
@@ -196,8 +210,7 @@ class Routing:
         return spec is not None and spec.send_token_ids
 
     def any_eligible(self, route: ModelRoute) -> bool:
-        now = self._clock()
-        return any(w.takes_requests(now) for w in self.registry.serving(route.name))
+        return bool(self.eligible(route))
 
     async def prompt(self, req: ClientRequest, route: ModelRoute, partial: bool = False) -> Prompt:
         """Exact token ids when the model's tokenizer can give them; TokenizeError -> 400.

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -279,3 +280,27 @@ def test_without_decode_workers_only_the_mixed_pool_serves(rig: PdRig) -> None:
     finally:
         rig.drain("sim-0")
         rig.drain("decode-0", "decode-1", undrain=True)
+
+
+def test_inspect_and_score_explain_both_halves(rig: PdRig) -> None:
+    body = {"model": rig.model, "messages": [{"role": "user", "content": SYSTEM}]}
+    url = rig.url + "/admin/score?endpoint=/v1/chat/completions"
+    score = httpx.post(url, json=body, headers=AUTH, timeout=10).json()
+    assert score["chosen"].startswith("prefill-") and score["decode_chosen"].startswith("decode-")
+    by = {w["worker"]: w for w in score["workers"]}
+    assert by["decode-0"]["role"] == "decode" and not by["decode-0"]["eligible"]
+    assert set(by["decode-0"]["decode"]["terms"]) == {"transfer", "decode_load"}
+    assert "decode" not in by["prefill-0"]
+    out = subprocess.run(
+        [sys.executable, "-m", "kvroute", "inspect", "--router", rig.url, "--prompt", SYSTEM],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "KVROUTE_ADMIN_TOKEN": ADMIN},
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    assert f"decode: {score['decode_chosen']}" in out.stdout
+    lines = out.stdout.splitlines()
+    rows = {ln.split()[0]: ln.replace(" *", "").split() for ln in lines if ln[:1] in ("p", "d")}
+    assert rows["decode-0"][1] == "decode" and rows["prefill-0"][1] == "prefill"

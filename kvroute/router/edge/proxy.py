@@ -63,7 +63,6 @@ from kvroute.router.fleet.verify import Verifier
 from kvroute.router.fleet.workers import PREFILL, Worker, WorkerRegistry
 from kvroute.router.ops.decisions import DecisionLog, DecisionRecord, PdRecord, PhaseAttempt
 from kvroute.router.ops.metrics import RouterMetrics
-from kvroute.router.routing.decode_choice import choose_decode
 from kvroute.router.routing.pipeline import AnswerTarget, Prompt, Routing
 from kvroute.router.routing.policy import Candidate
 
@@ -606,12 +605,9 @@ class Proxy:
         tried: list[str] = []
         result: int | _Failure = _Failure("no_decode", None)
         for _ in range(self._cfg.retry.max_attempts):
-            pool = self._routing.decode_pool(route, exclude=tried)
-            reuse = self._routing.reuse(prompt)
-            choice = choose_decode(
-                pool, reuse, prompt.n_tokens, self._routing.policy.load_model, self._cfg.pd,
-                self._clock(),
-            )  # fmt: skip
+            choice = self._routing.choose_decode(
+                route, prompt, self._routing.reuse(prompt), exclude=tried
+            )
             if choice.chosen is None:
                 break
             pd.decode_candidates = choice.candidates

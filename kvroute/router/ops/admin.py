@@ -30,11 +30,12 @@ from kvroute.router.edge.json_input import decode_json
 from kvroute.router.edge.openai_request import CHAT, COMPLETIONS, RESPONSES, parse_request
 from kvroute.router.fleet.event_subscriptions import EventSubscriptions
 from kvroute.router.fleet.verify import Verifier
-from kvroute.router.fleet.workers import Worker, WorkerRegistry
+from kvroute.router.fleet.workers import PREFILL, Worker, WorkerRegistry
 from kvroute.router.ops.decisions import DecisionLog, candidate_json
 from kvroute.router.ops.metrics import RouterMetrics
 from kvroute.router.routing.index_view import IndexView, ReuseExplanation
 from kvroute.router.routing.pipeline import Routing
+from kvroute.router.routing.records import Candidate
 
 _MAX_ADMIN_BODY = 16 * 1024 * 1024
 
@@ -120,11 +121,19 @@ class Admin:
             eligible, routing.route_input(req, prompt, reuse), self._clock()
         )
         by_name = {c.name: c for c in decision.candidates}
+        # a prefill worker's choice: the decode half too, as the proxy would place it
+        decode_by_name: dict[str, Candidate] = {}
+        decode_chosen = None
+        if decision.chosen is not None and decision.chosen.worker.spec.role == PREFILL:
+            choice = routing.choose_decode(route, prompt, reuse)
+            decode_by_name = {c.name: c for c in choice.candidates}
+            decode_chosen = choice.chosen
         down = self._events.unusable()
         workers = []
         for w in routing.registry.serving(route.name):
             entry: dict[str, Any] = {
                 "worker": w.name,
+                "role": w.spec.role,
                 "status": w.status(),
                 "eligible": w.name in by_name,
                 "events_live": w.name not in down if (w.spec.bridge or w.spec.zmq) else None,
@@ -149,6 +158,9 @@ class Admin:
             if c is not None:
                 entry.update(candidate_json(c))
                 entry["chosen"] = decision.chosen is c
+            d = decode_by_name.get(w.name)
+            if d is not None:
+                entry["decode"] = {**candidate_json(d), "chosen": d is decode_chosen}
             workers.append(entry)
         return JSONResponse(
             {
@@ -160,6 +172,7 @@ class Admin:
                 "token_source": prompt.source,
                 "policy": decision.policy,
                 "chosen": decision.chosen.name if decision.chosen else None,
+                "decode_chosen": decode_chosen.name if decode_chosen else None,
                 "reason": decision.reason,
                 "detail": decision.detail,
                 "session": decision.session_key is not None,

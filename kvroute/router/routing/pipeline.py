@@ -15,11 +15,12 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kvroute.ratelog import RateLimitedLog
-from kvroute.router.config import ModelSpec, PolicyConfig
+from kvroute.router.config import ModelSpec, PdConfig, PolicyConfig
 from kvroute.router.edge.errors import NO_WORKER, TOKENIZE, UNKNOWN_MODEL, RouterError
 from kvroute.router.edge.openai_request import CHAT, ClientRequest, skips_prefix_cache
 from kvroute.router.fleet.workers import BOTH, DECODE, PREFILL, ModelRoute, Worker, WorkerRegistry
 from kvroute.router.ops.metrics import RouterMetrics
+from kvroute.router.routing.decode_choice import DecodeChoice, choose_decode
 from kvroute.router.routing.index_view import IndexView
 from kvroute.router.routing.policy import (
     FULL_ATTENTION_ONLY,
@@ -117,7 +118,9 @@ class Routing:
         clock: Callable[[], float] = time.monotonic,
         retry_after_s: int = 1,
         partial_min_chars: int = 0,
+        pd: PdConfig | None = None,
     ) -> None:
+        self._pd = pd or PdConfig()
         self._retry_after = retry_after_s
         self._partial_min_chars = partial_min_chars
         self._ratelog = RateLimitedLog(log, interval_s=10.0)
@@ -203,6 +206,20 @@ class Routing:
             for w in self.registry.serving(route.name)
             if w.spec.role == DECODE and w.takes_requests(now) and w.name not in exclude
         ]
+
+    def choose_decode(
+        self,
+        route: ModelRoute,
+        prompt: Prompt,
+        reuse: Mapping[str, int | None],
+        exclude: Collection[str] = (),
+    ) -> DecodeChoice:
+        """The decode worker for a prompt whose prefill a prefill worker runs (chosen None
+        when no decode worker can take it); see `kvroute.router.routing.decode_choice`."""
+        pool = self.decode_pool(route, exclude)
+        return choose_decode(
+            pool, reuse, prompt.n_tokens, self.policy.load_model, self._pd, self._clock()
+        )
 
     def sends_token_ids(self, route: ModelRoute) -> bool:
         """Whether the model's chat requests go to the engine as completions of token ids."""

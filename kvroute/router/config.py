@@ -175,6 +175,11 @@ class PdConfig:
         0.002,
         "decode cost charged per sequence already running on a decode worker, seconds (>= 0)",
     )
+    learn_link: bool = _f(
+        False,
+        "price transfers at the bandwidth measured from decode first bytes (pulls of >= 256 "
+        "tokens); link_gbps is then only the starting value",
+    )
 
 
 @dataclass(frozen=True, slots=True)

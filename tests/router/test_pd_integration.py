@@ -291,6 +291,7 @@ def test_inspect_and_score_explain_both_halves(rig: PdRig) -> None:
     assert by["decode-0"]["role"] == "decode" and not by["decode-0"]["eligible"]
     assert set(by["decode-0"]["decode"]["terms"]) == {"transfer", "decode_load"}
     assert "decode" not in by["prefill-0"]
+    assert score["link_bytes_per_s"] == 400e9 / 8  # pd.link_gbps (not learning)
     out = subprocess.run(
         [sys.executable, "-m", "kvroute", "inspect", "--router", rig.url, "--prompt", SYSTEM],
         capture_output=True,

@@ -12,6 +12,7 @@ from kvroute.router.edge.pd_wire import HandoffError, decode_body, handoff_param
 from kvroute.router.fleet.load import EngineMetrics, LoadTicket
 from kvroute.router.fleet.workers import Worker, WorkerRegistry
 from kvroute.router.routing.decode_choice import choose_decode
+from kvroute.router.routing.link_rate import LinkRate
 from kvroute.router.routing.policy import LoadModel
 
 PD = PdConfig(link_gbps=8.0, kv_bytes_per_token=1000, running_s=0.01)  # 1 us per token
@@ -98,3 +99,24 @@ def test_handoff_params_takes_the_prefill_params() -> None:
         "remote_request_id": "r", "remote_host": "h", "remote_port": 1,
     }  # fmt: skip
     assert handoff_params(json.dumps({"kv_transfer_params": params}).encode()) == params
+
+
+def test_link_rate_is_learned_from_large_pulls_only_when_asked() -> None:
+    fixed = LinkRate(1e9, learn=False)
+    learning = LinkRate(1e9, learn=True)
+    for rate in (fixed, learning):
+        rate.observe(100, 1000, 0.001)  # a small pull: its time is mostly not the link
+        assert rate.learned is None and rate.bytes_per_s() == 1e9
+        rate.observe(1000, 1000, 0.01)  # 1e6 bytes in 10 ms: 1e8 B/s
+        rate.observe(1000, 1000, 0.0)  # no time: ignored
+    assert fixed.bytes_per_s() == 1e9 and fixed.learned == pytest.approx(1e8)
+    assert learning.bytes_per_s() == pytest.approx(1e8)
+    learning.observe(2000, 1000, 0.01)  # 2e8 B/s, weighted in
+    assert 1e8 < learning.bytes_per_s() < 2e8 and learning.samples == 2
+
+
+def test_decode_transfer_is_priced_at_the_given_link_rate() -> None:
+    ws = decoders(1)
+    slow = choose_decode(ws, {"d0": 0}, 1000, load_model(), PD, 0.0, link_bytes_per_s=1e6)
+    assert slow.chosen is not None
+    assert slow.chosen.terms["transfer"] == pytest.approx(1000 * 1000 / 1e6)

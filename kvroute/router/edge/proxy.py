@@ -558,6 +558,8 @@ class Proxy:
                 first_byte_s = time.perf_counter() - dispatched
                 record.pd.decode.append(PhaseAttempt(worker.name, str(resp.status), first_byte_s))
                 metrics.child(metrics.pd_phase_seconds, "decode_first_byte").observe(first_byte_s)
+                if resp.status == 200:
+                    self._routing.decode_started(cand.uncached, first_byte_s)
             if resp.status == 200:
                 verify_as = worker if half is None else half.prefill
                 self._verify(verify_as, predicted, req, prompt, record, usage)

@@ -173,6 +173,8 @@ class Admin:
                 "policy": decision.policy,
                 "chosen": decision.chosen.name if decision.chosen else None,
                 "decode_chosen": decode_chosen.name if decode_chosen else None,
+                "link_bytes_per_s": routing.link_rate.bytes_per_s(),
+                "link_bytes_per_s_learned": routing.link_rate.learned,
                 "reason": decision.reason,
                 "detail": decision.detail,
                 "session": decision.session_key is not None,

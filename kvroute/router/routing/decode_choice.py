@@ -36,11 +36,14 @@ def choose_decode(
     load: LoadModel,
     cfg: PdConfig,
     now: float,
+    link_bytes_per_s: float | None = None,
 ) -> DecodeChoice:
     """Price every decode worker (see the module doc) and pick the cheapest unsaturated one;
-    ties go to the worker with fewer running sequences, then to the first listed."""
+    ties go to the worker with fewer running sequences, then to the first listed.
+    `link_bytes_per_s`: the link's rate (default: `cfg.link_gbps`)."""
     cands = load.candidates(workers, reuse, n_tokens, now)
-    seconds_per_token = cfg.kv_bytes_per_token * 8 / (cfg.link_gbps * 1e9)
+    rate = link_bytes_per_s if link_bytes_per_s is not None else cfg.link_gbps * 1e9 / 8
+    seconds_per_token = cfg.kv_bytes_per_token / rate
     for c in cands:
         held = min(c.reuse or 0, n_tokens)
         c.uncached = n_tokens - held  # here: prompt tokens to pull

@@ -22,6 +22,7 @@ from kvroute.router.fleet.workers import BOTH, DECODE, PREFILL, ModelRoute, Work
 from kvroute.router.ops.metrics import RouterMetrics
 from kvroute.router.routing.decode_choice import DecodeChoice, choose_decode
 from kvroute.router.routing.index_view import IndexView
+from kvroute.router.routing.link_rate import LinkRate
 from kvroute.router.routing.policy import (
     FULL_ATTENTION_ONLY,
     REACH,
@@ -121,6 +122,7 @@ class Routing:
         pd: PdConfig | None = None,
     ) -> None:
         self._pd = pd or PdConfig()
+        self.link_rate = LinkRate(self._pd.link_gbps * 1e9 / 8, learn=self._pd.learn_link)
         self._retry_after = retry_after_s
         self._partial_min_chars = partial_min_chars
         self._ratelog = RateLimitedLog(log, interval_s=10.0)
@@ -218,8 +220,14 @@ class Routing:
         when no decode worker can take it); see `kvroute.router.routing.decode_choice`."""
         pool = self.decode_pool(route, exclude)
         return choose_decode(
-            pool, reuse, prompt.n_tokens, self.policy.load_model, self._pd, self._clock()
-        )
+            pool, reuse, prompt.n_tokens, self.policy.load_model, self._pd, self._clock(),
+            self.link_rate.bytes_per_s(),
+        )  # fmt: skip
+
+    def decode_started(self, pulled_tokens: int, seconds: float) -> None:
+        """A decode worker's first byte came `seconds` after dispatch, having pulled
+        `pulled_tokens` prompt tokens (teaches `link_rate`)."""
+        self.link_rate.observe(pulled_tokens, self._pd.kv_bytes_per_token, seconds)
 
     def sends_token_ids(self, route: ModelRoute) -> bool:
         """Whether the model's chat requests go to the engine as completions of token ids."""

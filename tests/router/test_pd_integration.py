@@ -305,3 +305,35 @@ def test_inspect_and_score_explain_both_halves(rig: PdRig) -> None:
     lines = out.stdout.splitlines()
     rows = {ln.split()[0]: ln.replace(" *", "").split() for ln in lines if ln[:1] in ("p", "d")}
     assert rows["decode-0"][1] == "decode" and rows["prefill-0"][1] == "prefill"
+
+
+def test_client_disconnect_during_the_prefill_cancels_it(rig: PdRig) -> None:
+    prefills = ("prefill-0", "prefill-1")
+    granted = sum(rig.state(w)["kv_transfer"]["leases_granted"] for w in prefills)
+    for w in prefills:
+        rig.faults(w, slowdown=3000.0)  # a prefill step now takes about a second
+    try:
+        # longer than one step's token budget (2048): the abort lands between two chunks
+        body = _completion(rig.model, "Cancel me while I prefill. " * 200)
+        raw = json.dumps(body).encode()
+        head = (
+            f"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(raw)}\r\n\r\n"
+        ).encode()
+        with socket.create_connection(("127.0.0.1", rig.port), timeout=10) as sock:
+            sock.sendall(head + raw)
+            deadline = time.monotonic() + 10
+            while sum(rig.state(w)["running"] for w in prefills) == 0:
+                assert time.monotonic() < deadline, "the prefill never started"
+                time.sleep(0.05)
+        # the router drops the prefill's connection; the engine aborts it at its next step
+        deadline = time.monotonic() + 15
+        while sum(rig.state(w)["running"] for w in prefills) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert sum(rig.state(w)["running"] for w in prefills) == 0
+    finally:
+        for w in prefills:
+            rig.faults(w, slowdown=1.0)
+    # aborted, not finished: no blocks were kept for a decode, and no decode started
+    assert sum(rig.state(w)["kv_transfer"]["leases_granted"] for w in prefills) == granted
+    assert sum(rig.state(w)["running"] for w in ("decode-0", "decode-1")) == 0

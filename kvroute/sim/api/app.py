@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import time
 from collections.abc import Awaitable, Callable
@@ -41,6 +43,29 @@ async def _json(request: Request) -> Any:
         return json.loads(raw or b"null")
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise bad_request(f"invalid JSON body: {exc}") from exc
+
+
+async def _until_disconnect(request: Request, answer: Awaitable[Response]) -> Response:
+    """`answer`, cancelled if the client goes away first (as vLLM's API server cancels a
+    request whose client disconnected, which aborts it in the engine); streams start at once
+    and notice it themselves."""
+    task = asyncio.ensure_future(answer)
+
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watch = asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return Response(status_code=499)
+    return task.result()
 
 
 def _answered(handler: Handler) -> Handler:
@@ -85,11 +110,12 @@ def build_app(
     async def completions(request: Request) -> Response:
         received = time.monotonic()
         parsed = parse_completion(await _json(request), cfg, engine.tokenizer)
-        return await gen.completion(parsed, received)
+        return await _until_disconnect(request, gen.completion(parsed, received))
 
     async def chat(request: Request) -> Response:
         received = time.monotonic()
-        return await gen.chat(parse_chat(await _json(request), cfg, engine.tokenizer), received)
+        parsed = parse_chat(await _json(request), cfg, engine.tokenizer)
+        return await _until_disconnect(request, gen.chat(parsed, received))
 
     async def render_completions(request: Request) -> Response:
         req = parse_completion(await _json(request), cfg, engine.tokenizer)

@@ -337,3 +337,17 @@ def test_client_disconnect_during_the_prefill_cancels_it(rig: PdRig) -> None:
     # aborted, not finished: no blocks were kept for a decode, and no decode started
     assert sum(rig.state(w)["kv_transfer"]["leases_granted"] for w in prefills) == granted
     assert sum(rig.state(w)["running"] for w in ("decode-0", "decode-1")) == 0
+
+
+def test_a_request_that_cannot_be_split_goes_to_the_mixed_pool(rig: PdRig) -> None:
+    body = {"model": rig.model, "prompt": ["first prompt", "second prompt"], "max_tokens": 4}
+    refused = httpx.post(rig.url + "/v1/completions", json=body, timeout=30)
+    assert refused.status_code == 400
+    assert "one prompt with n=1" in refused.json()["error"]["message"]
+    rig.drain("sim-0", undrain=True)
+    try:
+        answer = _post(rig.url + "/v1/completions", body)
+        assert len(answer["choices"]) == 2
+        assert rig.last()["pd"] is None and rig.last()["chosen"] == "sim-0"
+    finally:
+        rig.drain("sim-0")

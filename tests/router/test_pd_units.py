@@ -8,7 +8,13 @@ import json
 import pytest
 
 from kvroute.router.config import BreakerConfig, PdConfig, PolicyConfig, WorkerSpec
-from kvroute.router.edge.pd_wire import HandoffError, decode_body, handoff_params, prefill_body
+from kvroute.router.edge.pd_wire import (
+    HandoffError,
+    decode_body,
+    handoff_params,
+    prefill_body,
+    splittable,
+)
 from kvroute.router.fleet.load import EngineMetrics, LoadTicket
 from kvroute.router.fleet.workers import Worker, WorkerRegistry
 from kvroute.router.routing.decode_choice import choose_decode
@@ -120,3 +126,23 @@ def test_decode_transfer_is_priced_at_the_given_link_rate() -> None:
     slow = choose_decode(ws, {"d0": 0}, 1000, load_model(), PD, 0.0, link_bytes_per_s=1e6)
     assert slow.chosen is not None
     assert slow.chosen.terms["transfer"] == pytest.approx(1000 * 1000 / 1e6)
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "body", "ok"),
+    [
+        ("/v1/completions", {"prompt": "one"}, True),
+        ("/v1/completions", {"prompt": [1, 2, 3]}, True),
+        ("/v1/completions", {"prompt": ["only one"]}, True),
+        ("/v1/completions", {"prompt": ["one", "two"]}, False),
+        ("/v1/completions", {"prompt": [[1], [2]]}, False),
+        ("/v1/chat/completions", {"messages": [], "n": 2}, False),
+        ("/v1/chat/completions", {"messages": [], "n": 1}, True),
+        ("/v1/embeddings", {"input": "x"}, False),
+        ("/v1/responses", {"input": "x"}, False),
+    ],
+)
+def test_only_one_prompt_with_one_choice_is_split(
+    endpoint: str, body: dict[str, object], ok: bool
+) -> None:
+    assert splittable(endpoint, body) is ok

@@ -12,12 +12,24 @@ from typing import Any
 
 import msgspec
 
+from kvroute.router.edge.openai_request import CHAT, COMPLETIONS
+
 PREFILL_PARAMS = {"do_remote_decode": True}
 # What a decode worker needs to pull (vLLM's NIXL connector checks the same keys and, without
 # them, computes the whole prompt itself, silently).
 HANDOFF_KEYS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
 
 _decode_obj = msgspec.json.Decoder(dict[str, Any])
+
+
+def splittable(endpoint: str, body: dict[str, Any]) -> bool:
+    """Whether a request can be split into prefill and decode: chat or completions with one
+    prompt and one choice (the prefill answers for one sequence only)."""
+    if endpoint not in (CHAT, COMPLETIONS) or body.get("n", 1) not in (None, 1):
+        return False
+    prompt = body.get("prompt")
+    return not (isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list)
+                and len(prompt) > 1)  # fmt: skip
 
 
 class HandoffError(ValueError):

@@ -26,6 +26,7 @@ from kvroute.router.edge.chat_answer import AnswerTap, answer_of_response
 from kvroute.router.edge.chat_as_completion import ChatStream, chat_response, completion_body
 from kvroute.router.edge.errors import (
     DEADLINE,
+    INVALID_FIELD,
     MID_STREAM,
     NO_WORKER,
     OVERLOADED,
@@ -45,7 +46,13 @@ from kvroute.router.edge.openai_request import (
     parse_request,
     with_stream_usage,
 )
-from kvroute.router.edge.pd_wire import HandoffError, decode_body, handoff_params, prefill_body
+from kvroute.router.edge.pd_wire import (
+    HandoffError,
+    decode_body,
+    handoff_params,
+    prefill_body,
+    splittable,
+)
 from kvroute.router.edge.retry import Backoff, RetryBudget, retryable_status
 from kvroute.router.edge.sse import SseFilter, Usage, usage_from_json
 from kvroute.router.edge.trust import TrustedPeers, peer_of
@@ -329,9 +336,16 @@ class Proxy:
         # A stream's new turn is encoded after dispatch (`_complete`), off the critical path,
         # unless the engine is to be sent the whole ids.
         send_ids = req.endpoint == CHAT and routing.sends_token_ids(route)
+        split = splittable(req.endpoint, req.body)
+        if not split and not routing.eligible(route, split=False):
+            raise RouterError(
+                INVALID_FIELD,
+                f"model `{route.name}` is served by prefill/decode workers now, which take one "
+                "prompt with n=1 on /v1/completions or /v1/chat/completions",
+            )
         prompt = await routing.prompt(req, route, partial=req.stream and not send_ids)
         reuse = routing.reuse(prompt)
-        decision = routing.decide(req, route, prompt, reuse)
+        decision = routing.decide(req, route, prompt, reuse, split=split)
         self._seq += 1
         record = self._decisions.add(
             f"kvr-{self._seq}",
@@ -413,8 +427,9 @@ class Proxy:
             route = self._routing.resolve_model(req)
             try:
                 decision = self._routing.decide(
-                    req, route, prompt, self._routing.reuse(prompt), exclude=tried
-                )
+                    req, route, prompt, self._routing.reuse(prompt), exclude=tried,
+                    split=splittable(req.endpoint, req.body),
+                )  # fmt: skip
             except RouterError:
                 return await self._give_up(failure, record, send)
             self._metrics.child(self._metrics.retries, failure.cause).inc()

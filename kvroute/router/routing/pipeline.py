@@ -187,12 +187,15 @@ class Routing:
             )
         return route
 
-    def eligible(self, route: ModelRoute, exclude: Collection[str] = ()) -> list[Worker]:
-        """Workers that may run a request's prefill: mixed workers, and prefill workers while
-        a decode worker can take the rest (decode workers never start a request)."""
+    def eligible(
+        self, route: ModelRoute, exclude: Collection[str] = (), split: bool = True
+    ) -> list[Worker]:
+        """Workers that may run a request's prefill: mixed workers, and (for a request that
+        can be `split`) prefill workers while a decode worker can take the rest; decode
+        workers never start a request."""
         now = self._clock()
         ready = [w for w in self.registry.serving(route.name) if w.takes_requests(now)]
-        has_decode = any(w.spec.role == DECODE for w in ready)
+        has_decode = split and any(w.spec.role == DECODE for w in ready)
         return [
             w
             for w in ready
@@ -356,10 +359,12 @@ class Routing:
         prompt: Prompt,
         reuse: Mapping[str, int | None],
         exclude: Collection[str] = (),
+        split: bool = True,
     ) -> Decision:
-        """Choose among eligible workers; raises 503 when there are none."""
+        """Choose among eligible workers (prefill workers only for a request that can be
+        `split`); raises 503 when there are none."""
         started = time.perf_counter()
-        workers = self.eligible(route, exclude)
+        workers = self.eligible(route, exclude, split)
         decision = self.policy.decide(workers, self.route_input(req, prompt, reuse), self._clock())
         self._decision_hist.observe(time.perf_counter() - started)
         self._metrics.child(self._decision_count, decision.policy, decision.reason).inc()

@@ -351,3 +351,13 @@ def test_a_request_that_cannot_be_split_goes_to_the_mixed_pool(rig: PdRig) -> No
         assert rig.last()["pd"] is None and rig.last()["chosen"] == "sim-0"
     finally:
         rig.drain("sim-0")
+
+
+def test_new_conversations_spread_over_the_decode_pool(rig: PdRig) -> None:
+    chosen = []
+    for s in range(4):
+        # different from the first token on: no decode worker holds any of it
+        prompt = f"{s * 7919} starts a new conversation about nothing held anywhere. " * 6
+        _post(rig.url + "/v1/completions", _completion(rig.model, prompt))
+        chosen.append(rig.last()["pd"]["decode"][-1]["worker"])
+    assert chosen.count("decode-0") == chosen.count("decode-1") == 2, chosen

@@ -146,3 +146,13 @@ def test_only_one_prompt_with_one_choice_is_split(
     endpoint: str, body: dict[str, object], ok: bool
 ) -> None:
     assert splittable(endpoint, body) is ok
+
+
+def test_equal_decode_workers_take_turns() -> None:
+    ws = decoders(3)
+    picks = [choose_decode(ws, {}, 500, load_model(), PD, 0.0, turn=t).chosen for t in range(6)]
+    assert [c.name if c else None for c in picks] == ["d0", "d1", "d2", "d0", "d1", "d2"]
+    # a worker holding the prompt is not equal: it wins every turn
+    for t in range(3):
+        held = choose_decode(ws, {"d2": 400}, 500, load_model(), PD, 0.0, turn=t).chosen
+        assert held is not None and held.name == "d2"

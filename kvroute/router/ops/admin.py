@@ -125,7 +125,7 @@ class Admin:
         decode_by_name: dict[str, Candidate] = {}
         decode_chosen = None
         if decision.chosen is not None and decision.chosen.worker.spec.role == PREFILL:
-            choice = routing.choose_decode(route, prompt, reuse)
+            choice = routing.choose_decode(route, prompt, reuse, dry_run=True)
             decode_by_name = {c.name: c for c in choice.candidates}
             decode_chosen = choice.chosen
         down = self._events.unusable()

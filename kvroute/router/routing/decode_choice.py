@@ -19,6 +19,7 @@ from kvroute.router.routing.cost import LoadModel
 from kvroute.router.routing.records import Candidate
 
 TERMS = ("transfer", "decode_load")
+TIE_S = 1e-6  # costs closer than this are equal
 
 
 @dataclass(slots=True)
@@ -27,6 +28,7 @@ class DecodeChoice:
 
     chosen: Candidate | None
     candidates: list[Candidate]
+    tied: int = 0  # how many equal best ones the choice took its turn among
 
 
 def choose_decode(
@@ -37,9 +39,11 @@ def choose_decode(
     cfg: PdConfig,
     now: float,
     link_bytes_per_s: float | None = None,
+    turn: int = 0,
 ) -> DecodeChoice:
     """Price every decode worker (see the module doc) and pick the cheapest unsaturated one;
-    ties go to the worker with fewer running sequences, then to the first listed.
+    ties go to the worker with fewer running sequences, then in turn (`turn`: a counter the
+    caller advances after each choice among ties, `DecodeChoice.tied` > 1).
     `link_bytes_per_s`: the link's rate (default: `cfg.link_gbps`)."""
     cands = load.candidates(workers, reuse, n_tokens, now)
     rate = link_bytes_per_s if link_bytes_per_s is not None else cfg.link_gbps * 1e9 / 8
@@ -55,5 +59,10 @@ def choose_decode(
         c.term_names = TERMS
         c.term_values = (transfer, running)
     open_ = [c for c in cands if not c.saturated] or cands
-    chosen = min(open_, key=lambda c: (c.cost_s, c.running), default=None)
-    return DecodeChoice(chosen, cands)
+    best = min(open_, key=lambda c: (c.cost_s, c.running), default=None)
+    if best is None:
+        return DecodeChoice(None, cands)
+    # equal ones (typically a new conversation nobody holds) take turns, so decode workers
+    # fill alike instead of the first listed taking every new conversation
+    ties = [c for c in open_ if c.running == best.running and c.cost_s - best.cost_s < TIE_S]
+    return DecodeChoice(ties[turn % len(ties)], cands, len(ties))

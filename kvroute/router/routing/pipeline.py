@@ -123,6 +123,7 @@ class Routing:
     ) -> None:
         self._pd = pd or PdConfig()
         self.link_rate = LinkRate(self._pd.link_gbps * 1e9 / 8, learn=self._pd.learn_link)
+        self._decode_turn = 0
         self._retry_after = retry_after_s
         self._partial_min_chars = partial_min_chars
         self._ratelog = RateLimitedLog(log, interval_s=10.0)
@@ -218,14 +219,19 @@ class Routing:
         prompt: Prompt,
         reuse: Mapping[str, int | None],
         exclude: Collection[str] = (),
+        dry_run: bool = False,
     ) -> DecodeChoice:
         """The decode worker for a prompt whose prefill a prefill worker runs (chosen None
-        when no decode worker can take it); see `kvroute.router.routing.decode_choice`."""
+        when no decode worker can take it); see `kvroute.router.routing.decode_choice`.
+        `dry_run`: only explain (equal workers' turn does not advance)."""
         pool = self.decode_pool(route, exclude)
-        return choose_decode(
+        choice = choose_decode(
             pool, reuse, prompt.n_tokens, self.policy.load_model, self._pd, self._clock(),
-            self.link_rate.bytes_per_s(),
+            self.link_rate.bytes_per_s(), self._decode_turn,
         )  # fmt: skip
+        if choice.tied > 1 and not dry_run:
+            self._decode_turn += 1
+        return choice
 
     def decode_started(self, pulled_tokens: int, seconds: float) -> None:
         """A decode worker's first byte came `seconds` after dispatch, having pulled

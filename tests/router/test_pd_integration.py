@@ -57,6 +57,15 @@ class PdRig:
             url = f"{self.url}/admin/workers/{w}/{action}"
             assert httpx.post(url, headers=AUTH, timeout=5).status_code == 200
 
+    def wait_ready(self, *workers: str, timeout_s: float = 20.0) -> None:
+        """Until each worker's breaker is closed and it is healthy (earlier faults forgotten)."""
+        deadline = time.monotonic() + timeout_s
+        for w in workers:
+            url = f"{self.url}/admin/workers/{w}"
+            while httpx.get(url, headers=AUTH, timeout=5).json()["status"] != "ready":
+                assert time.monotonic() < deadline, f"{w} did not become ready"
+                time.sleep(0.2)
+
     def metric(self, name: str, label: str = "") -> float:
         text = httpx.get(self.url + "/metrics", timeout=5).text
         return sum(
@@ -206,7 +215,8 @@ def test_a_failing_prefill_worker_is_retried_on_the_other(rig: PdRig) -> None:
     rig.faults("prefill-1", fail_rate=0.0)
     try:
         records = []
-        for i in range(6):
+        # fewer failures than breaker.failure_threshold (5): prefill-0 stays usable later
+        for i in range(4):
             prompt = f"Prefill failover request {i}. " * 20
             answer = _post(rig.url + "/v1/completions", _completion(rig.model, prompt))
             assert answer["choices"][0]["text"] is not None
@@ -361,3 +371,24 @@ def test_new_conversations_spread_over_the_decode_pool(rig: PdRig) -> None:
         _post(rig.url + "/v1/completions", _completion(rig.model, prompt))
         chosen.append(rig.last()["pd"]["decode"][-1]["worker"])
     assert chosen.count("decode-0") == chosen.count("decode-1") == 2, chosen
+
+
+def test_when_every_decode_worker_fails_the_request_is_prefilled_again(rig: PdRig) -> None:
+    # the second prefill needs the other prefill worker: no breaker may be open from before
+    rig.wait_ready("prefill-0", "prefill-1", "decode-0", "decode-1")
+    before = rig.metric("kvroute_pd_retries_total", 'phase="decode"')
+    for w in ("decode-0", "decode-1"):
+        rig.faults(w, fail_next=1)
+    try:
+        answer = _post(rig.url + "/v1/completions", _completion(rig.model, "Both fail. " * 30))
+    finally:
+        for w in ("decode-0", "decode-1"):
+            rig.faults(w, fail_next=0)
+    assert answer["usage"]["completion_tokens"] == 12
+    pd = rig.last()["pd"]
+    assert [a["outcome"] for a in pd["prefill"]] == ["200", "200"]  # prefilled twice
+    assert [a["outcome"] for a in pd["decode"]] == ["5xx", "5xx", "200"]
+    assert rig.metric("kvroute_pd_retries_total", 'phase="decode"') > before
+    # the first prefill's blocks, never pulled, are kept until the lease runs out
+    held = sum(rig.state(w)["kv_transfer"]["leases_held"] for w in ("prefill-0", "prefill-1"))
+    assert held == 1

@@ -278,6 +278,7 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
             read_mooncake(args.mooncake), space, time_scale=1.0, max_output_tokens=256
         )
         trace_name = f"mooncake:{Path(args.mooncake).name}"
+        notes.append("no session header sent: a Mooncake trace records no session ids")
     elif args.trace:
         trace = read_jsonl(args.trace)
         trace_name = Path(args.trace).name
@@ -305,14 +306,7 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
     if unknown:
         raise SystemExit(f"unknown routers {unknown}; known: {sorted(ROUTERS)}")
     profiles = PROFILES if args.profile == "all" else (args.profile,)
-    load = LoadConfig(
-        url="",
-        model="",
-        time_scale=None if args.closed else args.time_scale,
-        concurrency=args.concurrency,
-        request_timeout_s=args.timeout,
-        deadline_s=args.deadline,
-    )
+    load = load_config(args)
     fleet_args = (
         tuple(shlex.split(args.fleet_args))
         if args.fleet_args is not None
@@ -434,6 +428,21 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.closed and not args.concurrency:
         p.error("--closed needs --concurrency")
     return args
+
+
+def load_config(args: argparse.Namespace) -> LoadConfig:
+    """How the load generator replays the trace (the URL and model are set per run)."""
+    return LoadConfig(
+        url="",
+        model="",
+        time_scale=None if args.closed else args.time_scale,
+        concurrency=args.concurrency,
+        request_timeout_s=args.timeout,
+        deadline_s=args.deadline,
+        # A Mooncake trace records no session ids, and its clients sent none: inventing one
+        # per request would hand every router a key that no real client of that trace sends.
+        session_header=None if args.mooncake else LoadConfig.session_header,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -4,8 +4,12 @@
 Rules (issue 2, spec §2-§5):
 - hashes: an int of any sign is masked to 64 bits and written as 8 bytes big-endian; bytes
   pass through; bool, empty and any other value make the event INVALID;
-- only local GPU events are kept (medium GPU or absent, locality LOCAL or absent, ownership
-  absent), for stores and removes alike;
+- tiers (spec §10): local GPU events (medium GPU or absent, locality LOCAL or absent,
+  ownership absent) go to `events`; local CPU and STORAGE events (an `ownership` names a
+  secondary tier of the same engine) go to `tier_events` with their tier; remote and unknown
+  media are dropped, for stores and removes alike. A lower-tier store without tokens (vLLM's
+  placeholder payload: a chunk's key hash only) cannot be placed and is dropped and counted;
+  its removal passes (a removal of an unknown block is harmless);
 - stores are forwarded whole (sparse ones are never sliced by ordinal), duplicates are kept;
 - `AllBlocksCleared` -> CLEAR; absent group fields (before 0.20) -> group 0, kind "";
 - namespace: `lora_name`; the digest of the cache salt (`kvroute.proto.namespace`, never the
@@ -20,7 +24,7 @@ from __future__ import annotations
 from typing import Any, Final
 
 from kvroute.bridge.vllm_schema import DecodedBatch, DecodedCleared, DecodedRemoved, DecodedStored
-from kvroute.proto.events_pb2 import KvEventBatch, KvGroupEvent
+from kvroute.proto.events_pb2 import KvEventBatch, KvGroupEvent, Tier
 from kvroute.proto.namespace import salt_namespace
 
 STORE: Final = KvGroupEvent.STORE
@@ -30,17 +34,26 @@ INVALID: Final = KvGroupEvent.INVALID
 
 _MASK64: Final = (1 << 64) - 1
 _UINT32_MAX: Final = (1 << 32) - 1
-_LOCAL_MEDIA: Final = frozenset({None, "GPU"})
 _LOCAL_LOCALITIES: Final = frozenset({None, "LOCAL"})
+GPU: Final = Tier.GPU
+# vLLM's `medium` -> tier (absent: the KV cache manager's own events, before 0.10.2)
+_TIERS: Final[dict[str | None, int]] = {
+    None: Tier.GPU,
+    "GPU": Tier.GPU,
+    "CPU": Tier.CPU,
+    "STORAGE": Tier.STORAGE,
+}
+TIER_NAMES: Final[dict[int, str]] = {Tier.GPU: "gpu", Tier.CPU: "cpu", Tier.STORAGE: "storage"}
 
 
 class ConvertStats:
     """Counters a converter adds to (one per stream; read by metrics)."""
 
-    __slots__ = ("filtered", "invalid", "split", "stored_blocks", "unmatchable")
+    __slots__ = ("filtered", "invalid", "placeholders", "split", "stored_blocks", "unmatchable")
 
     def __init__(self) -> None:
-        self.filtered = 0  # events dropped as non-GPU, remote or offloaded
+        self.filtered = 0  # events dropped as remote or of an unknown medium
+        self.placeholders: dict[int, int] = {}  # tier -> lower-tier stores without tokens
         self.invalid = 0  # events turned into INVALID
         self.unmatchable = 0  # STOREs marked unmatchable
         self.split = 0  # dense STOREs split at their first unmatchable block
@@ -72,8 +85,24 @@ def _normalise_all(values: list[Any]) -> list[bytes] | None:
     return out
 
 
-def _is_local(medium: Any, locality: Any, ownership: Any) -> bool:
-    return medium in _LOCAL_MEDIA and locality in _LOCAL_LOCALITIES and ownership is None
+def _tier_of(medium: Any, locality: Any, ownership: Any) -> int | None:
+    """The tier an event belongs to, or None when kvroute does not keep it."""
+    if locality not in _LOCAL_LOCALITIES or type(medium) not in (str, type(None)):
+        return None
+    tier = _TIERS.get(medium)
+    if tier == GPU and ownership is not None:
+        return None  # a GPU medium from a secondary tier: not this engine's pool
+    return tier
+
+
+def _target(batch: KvEventBatch, tier: int) -> Any:
+    return batch.events if tier == GPU else batch.tier_events
+
+
+def _mark(out: Any, start: int, tier: int) -> None:
+    if tier != GPU:
+        for event in out[start:]:
+            event.tier = tier
 
 
 def _first_unmatchable(ev: DecodedStored, salted: list[str]) -> int:
@@ -118,10 +147,21 @@ def _add_invalid(out: Any, group: Any) -> None:
         event.group_id = group
 
 
-def _convert_stored(ev: DecodedStored, out: Any, stats: ConvertStats) -> None:
-    if not _is_local(ev.medium, ev.locality, ev.ownership):
+def _convert_stored(ev: DecodedStored, batch: KvEventBatch, stats: ConvertStats) -> None:
+    tier = _tier_of(ev.medium, ev.locality, ev.ownership)
+    if tier is None:
         stats.filtered += 1
         return
+    out = _target(batch, tier)
+    if tier != GPU and not ev.token_ids and not ev.block_size:
+        stats.placeholders[tier] = stats.placeholders.get(tier, 0) + 1
+        return
+    start = len(out)
+    _store(ev, out, stats)
+    _mark(out, start, tier)
+
+
+def _store(ev: DecodedStored, out: Any, stats: ConvertStats) -> None:
     hashes = _normalise_all(ev.block_hashes)
     parent_raw = ev.parent_block_hash
     parent = b"" if parent_raw is None else normalise_hash(parent_raw)
@@ -220,17 +260,21 @@ def _convert_stored(ev: DecodedStored, out: Any, stats: ConvertStats) -> None:
     stats.stored_blocks += count
 
 
-def _convert_removed(ev: DecodedRemoved, out: Any, stats: ConvertStats) -> None:
-    if not _is_local(ev.medium, ev.locality, ev.ownership):
+def _convert_removed(ev: DecodedRemoved, batch: KvEventBatch, stats: ConvertStats) -> None:
+    tier = _tier_of(ev.medium, ev.locality, ev.ownership)
+    if tier is None:
         stats.filtered += 1
         return
+    out = _target(batch, tier)
+    start = len(out)
     hashes = _normalise_all(ev.block_hashes)
     group = 0 if ev.group_idx is None else ev.group_idx
     if hashes is None or not _valid_u32(group):
         stats.invalid += 1
         _add_invalid(out, group)
-        return
-    out.add(operation=REMOVE, group_id=group, block_hashes=hashes)
+    else:
+        out.add(operation=REMOVE, group_id=group, block_hashes=hashes)
+    _mark(out, start, tier)
 
 
 def convert_batch(
@@ -251,12 +295,11 @@ def convert_batch(
     batch = KvEventBatch(sequence=seq, timestamp=decoded.ts)
     if rank is not None and _valid_u32(rank):
         batch.dp_rank = rank
-    out = batch.events
     for ev in decoded.events:
         if isinstance(ev, DecodedStored):
-            _convert_stored(ev, out, counters)
+            _convert_stored(ev, batch, counters)
         elif isinstance(ev, DecodedRemoved):
-            _convert_removed(ev, out, counters)
+            _convert_removed(ev, batch, counters)
         elif isinstance(ev, DecodedCleared):
-            out.add(operation=CLEAR)
+            batch.events.add(operation=CLEAR)
     return batch

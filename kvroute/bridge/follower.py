@@ -28,7 +28,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from kvroute.bridge.convert import ConvertStats, convert_batch
+from kvroute.bridge.convert import TIER_NAMES, ConvertStats, convert_batch
 from kvroute.bridge.metrics import BridgeMetrics
 from kvroute.bridge.stream import RankStream
 from kvroute.bridge.vllm_schema import (
@@ -318,6 +318,7 @@ class EngineFollower:
         self._note_unknown_fields()
         stats = self._stats
         filtered, invalid, blocks = stats.filtered, stats.invalid, stats.stored_blocks
+        placeholders = dict(stats.placeholders)
         try:
             batch = convert_batch(decoded, seq, dp_rank=self.endpoints.dp_rank, stats=stats)
         except Exception as exc:  # a converter bug must not stop the stream: reset instead
@@ -332,6 +333,12 @@ class EngineFollower:
                 "invalid", "rank %s: events with invalid values in seq %s", label, seq
             )
         m.stored_blocks.labels(label).inc(stats.stored_blocks - blocks)
+        for tier, count in stats.placeholders.items():
+            if count != placeholders.get(tier, 0):
+                name = TIER_NAMES[tier]
+                m.tier_events.labels(label, name, "placeholder").inc(
+                    count - placeholders.get(tier, 0)
+                )
         m.lag.labels(label).observe(max(0.0, time.time() - decoded.ts))
         self.stream.apply(batch)
         self._last = seq

@@ -34,6 +34,13 @@ class BridgeMetrics:
         self.events = counter(
             "events", "Converted events by kind (store, remove, clear, invalid, filtered)", "kind"
         )
+        self.tier_events = counter(
+            "tier_events",
+            "Events per KV tier (gpu, cpu, storage) by kind (store, remove, clear, invalid, "
+            "placeholder: a lower-tier store without tokens, dropped)",
+            "tier",
+            "kind",
+        )
         self.stored_blocks = counter("stored_blocks", "Block hashes in converted stores")
         self.gaps = counter("gaps", "Sequence gaps seen on the live stream")
         self.replays = counter(
@@ -71,6 +78,12 @@ class BridgeMetrics:
             "state_evicted_blocks", "Blocks dropped from the snapshot state at its bound"
         )
         self.state_blocks = gauge("state_blocks", "Live block copies in the snapshot state")
+        self.tier_blocks = Gauge(
+            _PREFIX + "state_tier_blocks",
+            "Live block copies in the snapshot state per KV tier (gpu, cpu, storage)",
+            (*_RANK, "tier"),
+            registry=r,
+        )
         self.evicted_lineage_blocks = counter(
             "state_evicted_lineage_blocks",
             "Lineage-only blocks (ancestors of live blocks) dropped at their bound",

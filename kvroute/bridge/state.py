@@ -32,6 +32,11 @@ attribution is a `CopyTable`, an open-addressing table of key -> slot arrays (12
 slot) instead of a dict of bytes objects (tests/bridge/test_bridge_state_model.py checks
 the state against a small model of these promises).
 
+Tiers (spec §10): a batch's `tier_events` (CPU, STORAGE) go to one more `EngineState` per
+lower tier, created on first use, with the same bounds; an INVALID or a contradiction there
+discards that tier's view only, a CLEAR in `events` empties every tier. The snapshot carries
+each tier's view in `tier_events` / `tier_lineage`, every event marked with its tier.
+
 Bounds: `max_blocks` live copies (beyond it the oldest records are dropped and counted: a
 late subscriber then sees less than the engine holds, never more), `max_lineage_blocks`
 blocks kept as lineage only (beyond it the oldest lineage is dropped and counted: runs
@@ -46,7 +51,7 @@ from typing import Any, Final, TypeAlias
 
 from kvroute.bridge import packed_tokens
 from kvroute.bridge.copy_table import MAX_SLOT, CopyTable, Key, hash_of, hashes_of, key_of, keys_of
-from kvroute.proto.events_pb2 import KvEventBatch, KvGroupEvent, Snapshot
+from kvroute.proto.events_pb2 import KvEventBatch, KvGroupEvent, Snapshot, Tier
 
 STORE: Final = KvGroupEvent.STORE
 REMOVE: Final = KvGroupEvent.REMOVE
@@ -56,6 +61,7 @@ INVALID: Final = KvGroupEvent.INVALID
 DEFAULT_MAX_BLOCKS: Final = 2_000_000
 DEFAULT_MAX_LINEAGE_BLOCKS: Final = 2_000_000
 DEFAULT_MAX_GROUPS: Final = 64
+LOWER_TIERS: Final = (Tier.CPU, Tier.STORAGE)
 _MAX_INTERNED_META: Final = 4096
 
 
@@ -196,6 +202,7 @@ class EngineState:
         self._lineage: dict[int, _Record] = {}
         self.blocks = 0  # live copies
         self.lineage_blocks = 0  # blocks of the records in _lineage
+        self._tiers: dict[Tier.ValueType, EngineState] = {}  # lower tier -> its view
 
     # -- queries --------------------------------------------------------------------------
 
@@ -213,13 +220,35 @@ class EngineState:
     def records(self) -> int:
         return len(self._records)
 
+    def tier(self, tier: Tier.ValueType) -> EngineState | None:
+        """A lower tier's view (None until the engine reported that tier)."""
+        return self._tiers.get(tier)
+
+    @property
+    def tiers(self) -> dict[Tier.ValueType, EngineState]:
+        """Lower tier -> its view, for the tiers the engine reported."""
+        return dict(self._tiers)
+
+    def _tier_state(self, tier: Tier.ValueType) -> EngineState:
+        state = self._tiers.get(tier)
+        if state is None:
+            state = EngineState(
+                self.dp_rank,
+                max_blocks=self.max_blocks,
+                max_groups=self.max_groups,
+                max_lineage_blocks=self.max_lineage_blocks,
+            )
+            self._tiers[tier] = state
+        return state
+
     # -- updates --------------------------------------------------------------------------
 
     def reset(self) -> None:
-        """Forget everything, groups and sequence included."""
+        """Forget everything, groups and sequence included, in every tier."""
         self.last_sequence = None
         self._groups.clear()
         self._clear_blocks()
+        self._tiers.clear()
 
     def _clear_blocks(self) -> None:
         self._records.clear()
@@ -240,13 +269,32 @@ class EngineState:
         INVALID event (view discarded) precedes the contradicting event, for the state and
         every subscriber alike.
         """
-        amended: list[tuple[int, KvGroupEvent]] = []
+        amended = self._apply_events(batch.events)
+        if any(event.operation == CLEAR for event in batch.events):
+            for state in self._tiers.values():
+                state._clear_blocks()
+        tier_amended: set[int] = set()
+        if batch.tier_events:
+            for tier in LOWER_TIERS:
+                # A tier this bridge does not know never reaches its own output.
+                at = [i for i, event in enumerate(batch.tier_events) if event.tier == tier]
+                if at:
+                    local = self._tier_state(tier)._apply_events(batch.tier_events[i] for i in at)
+                    tier_amended.update(at[i] for i in local)
+        self.last_sequence = batch.sequence
+        if not amended and not tier_amended:
+            return batch
+        return _with_invalid_before(batch, amended, tier_amended)
+
+    def _apply_events(self, events: Iterable[KvGroupEvent]) -> set[int]:
+        """Apply events in order; the positions that needed an INVALID before them."""
+        amended: set[int] = set()
         scratch = _BatchScratch()
-        for index, event in enumerate(batch.events):
+        for index, event in enumerate(events):
             op = event.operation
             if op == STORE:
                 if not self._declare(event):
-                    amended.append((index, event))
+                    amended.add(index)
                     self._apply_invalid()
                     self._declare(event)
                 self._store(event, scratch)
@@ -256,10 +304,7 @@ class EngineState:
                 self._clear_blocks()
             else:
                 self._apply_invalid()
-        self.last_sequence = batch.sequence
-        if not amended:
-            return batch
-        return _with_invalid_before(batch, {index for index, _ in amended})
+        return amended
 
     def _apply_invalid(self) -> None:
         self.stats.invalid_resets += 1
@@ -562,6 +607,16 @@ class EngineState:
                 cache_namespace=salt,
                 unmatchable=meta.unmatchable,
             )
+        for tier in sorted(self._tiers):
+            view = self._tiers[tier].snapshot()
+            for target, events in (
+                (snap.tier_events, view.events),
+                (snap.tier_lineage, view.lineage),
+            ):
+                start = len(target)
+                target.extend(events)
+                for event in target[start:]:
+                    event.tier = tier
         return snap
 
     def _live_runs(self) -> list[_Run]:
@@ -667,7 +722,9 @@ def _parents_first(runs: list[_Run], defines: dict[Key, int]) -> list[_Run]:
     return ordered
 
 
-def _with_invalid_before(batch: KvEventBatch, positions: set[int]) -> KvEventBatch:
+def _with_invalid_before(
+    batch: KvEventBatch, positions: set[int], tier_positions: set[int]
+) -> KvEventBatch:
     amended = KvEventBatch(
         sequence=batch.sequence, timestamp=batch.timestamp, dp_rank=batch.dp_rank
     )
@@ -675,4 +732,8 @@ def _with_invalid_before(batch: KvEventBatch, positions: set[int]) -> KvEventBat
         if index in positions:
             amended.events.add(operation=INVALID, group_id=event.group_id)
         amended.events.append(event)
+    for index, event in enumerate(batch.tier_events):
+        if index in tier_positions:
+            amended.tier_events.add(operation=INVALID, group_id=event.group_id, tier=event.tier)
+        amended.tier_events.append(event)
     return amended

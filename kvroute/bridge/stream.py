@@ -16,13 +16,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Final
 
+from kvroute.bridge.convert import TIER_NAMES
 from kvroute.bridge.metrics import BridgeMetrics
 from kvroute.bridge.state import EngineState
-from kvroute.proto.events_pb2 import KvEventBatch, KvGroupEvent, SubscribeRequest, SubscribeResponse
+from kvroute.proto.events_pb2 import (
+    KvEventBatch,
+    KvGroupEvent,
+    SubscribeRequest,
+    SubscribeResponse,
+    Tier,
+)
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +43,18 @@ _KINDS: Final = {
     KvGroupEvent.CLEAR: "clear",
     KvGroupEvent.INVALID: "invalid",
 }
+
+
+def _count_tiers(m: BridgeMetrics, label: str, batch: KvEventBatch) -> None:
+    """Count a batch's events per tier and kind (one label lookup per pair)."""
+    counts: Counter[tuple[Tier.ValueType, KvGroupEvent.Operation.ValueType]] = Counter(
+        (event.tier, event.operation) for event in batch.tier_events
+    )
+    counts.update((Tier.GPU, event.operation) for event in batch.events)
+    for (tier, op), count in counts.items():
+        name = TIER_NAMES.get(tier)
+        if name is not None:
+            m.tier_events.labels(label, name, _KINDS.get(op, "invalid")).inc(count)
 
 
 @dataclass(frozen=True)
@@ -116,12 +135,16 @@ class RankStream:
         m.batches.labels(label).inc()
         for event in sent.events:
             m.events.labels(label, _KINDS.get(event.operation, "invalid")).inc()
+        _count_tiers(m, label, sent)
         m.unknown_removes.labels(label).inc(self.state.stats.unknown_removes - before_unknown)
         m.evicted_blocks.labels(label).inc(self.state.stats.evicted_blocks - before_evicted)
         m.evicted_lineage_blocks.labels(label).inc(
             self.state.stats.evicted_lineage_blocks - before_lineage
         )
         m.state_blocks.labels(label).set(self.state.blocks)
+        m.tier_blocks.labels(label, TIER_NAMES[Tier.GPU]).set(self.state.blocks)
+        for tier, view in self.state.tiers.items():
+            m.tier_blocks.labels(label, TIER_NAMES[tier]).set(view.blocks)
         m.lineage_blocks.labels(label).set(self.state.lineage_blocks)
         m.last_sequence.labels(label).set(sent.sequence)
         if self.state.stats.invalid_resets != before_invalid:

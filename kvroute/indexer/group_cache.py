@@ -111,6 +111,11 @@ class GroupCache:
         presence_of: dict[int, Container[int]] = dict(enumerate(self._sink.slots))
         return explain_layout(layout, presence_of, keys, n_tokens, self.hash_unit)
 
+    def presence_by_group(self) -> dict[int, Container[int]]:
+        """Group id -> the content keys the group holds (live, positioned blocks)."""
+        slots = self._sink.slots
+        return {g.group_id: slots[g.slot] for g in self.layout().groups if g.slot < len(slots)}
+
     def stats(self) -> WorkerStats:
         """The view's counters and sizes."""
         return self._feed.stats()

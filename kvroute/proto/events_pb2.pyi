@@ -19,6 +19,26 @@ else:
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class _Tier:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _TierEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Tier.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    GPU: _Tier.ValueType  # 0
+    CPU: _Tier.ValueType  # 1
+    STORAGE: _Tier.ValueType  # 2
+
+class Tier(_Tier, metaclass=_TierEnumTypeWrapper):
+    """Where a worker holds KV: the GPU pool, or a lower tier its offloading connector fills
+    (vLLM's event `medium`: "GPU", "CPU", "STORAGE").
+    """
+
+GPU: Tier.ValueType  # 0
+CPU: Tier.ValueType  # 1
+STORAGE: Tier.ValueType  # 2
+Global___Tier: _TypeAlias = Tier  # noqa: Y015
+
 @_typing.final
 class KvGroupEvent(_message.Message):
     """One change to one KV cache group of one engine (DP rank), normalised from a vLLM event."""
@@ -61,6 +81,7 @@ class KvGroupEvent(_message.Message):
     LORA_NAME_FIELD_NUMBER: _builtins.int
     CACHE_NAMESPACE_FIELD_NUMBER: _builtins.int
     UNMATCHABLE_FIELD_NUMBER: _builtins.int
+    TIER_FIELD_NUMBER: _builtins.int
     operation: Global___KvGroupEvent.Operation.ValueType
     group_id: _builtins.int
     parent_block_hash: _builtins.bytes
@@ -82,6 +103,10 @@ class KvGroupEvent(_message.Message):
     """
     unmatchable: _builtins.bool
     """multimodal, prompt-embedding or lookahead keys: lineage only"""
+    tier: Global___Tier.ValueType
+    """The tier this event changes. GPU (0) in `events`; a lower tier in `tier_events`, where
+    the event applies to that tier's own view only (an INVALID discards that view only).
+    """
     @_builtins.property
     def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
         """Opaque identities: vLLM int hashes as 8 bytes big-endian (two's complement for negatives),
@@ -106,10 +131,11 @@ class KvGroupEvent(_message.Message):
         lora_name: _builtins.str = ...,
         cache_namespace: _builtins.str = ...,
         unmatchable: _builtins.bool = ...,
+        tier: Global___Tier.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "block_size", b"block_size", "cache_namespace", b"cache_namespace", "group_id", b"group_id", "kind", b"kind", "lora_name", b"lora_name", "operation", b"operation", "parent_block_hash", b"parent_block_hash", "sliding_window", b"sliding_window", "token_ids", b"token_ids", "unmatchable", b"unmatchable"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "block_size", b"block_size", "cache_namespace", b"cache_namespace", "group_id", b"group_id", "kind", b"kind", "lora_name", b"lora_name", "operation", b"operation", "parent_block_hash", b"parent_block_hash", "sliding_window", b"sliding_window", "tier", b"tier", "token_ids", b"token_ids", "unmatchable", b"unmatchable"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -125,11 +151,19 @@ class KvEventBatch(_message.Message):
     TIMESTAMP_FIELD_NUMBER: _builtins.int
     DP_RANK_FIELD_NUMBER: _builtins.int
     EVENTS_FIELD_NUMBER: _builtins.int
+    TIER_EVENTS_FIELD_NUMBER: _builtins.int
     sequence: _builtins.int
     timestamp: _builtins.float
     dp_rank: _builtins.int
     @_builtins.property
     def events(self) -> _containers.RepeatedCompositeFieldContainer[Global___KvGroupEvent]: ...
+    @_builtins.property
+    def tier_events(self) -> _containers.RepeatedCompositeFieldContainer[Global___KvGroupEvent]:
+        """Events of lower tiers (CPU, STORAGE), each with its `tier`, in engine order. Kept apart
+        from `events` so that a router which predates tiers ignores them and keeps a GPU-only
+        view; CLEAR in `events` empties every tier.
+        """
+
     def __init__(
         self,
         *,
@@ -137,10 +171,11 @@ class KvEventBatch(_message.Message):
         timestamp: _builtins.float = ...,
         dp_rank: _builtins.int = ...,
         events: _abc.Iterable[Global___KvGroupEvent] | None = ...,
+        tier_events: _abc.Iterable[Global___KvGroupEvent] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dp_rank", b"dp_rank", "events", b"events", "sequence", b"sequence", "timestamp", b"timestamp"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dp_rank", b"dp_rank", "events", b"events", "sequence", b"sequence", "tier_events", b"tier_events", "timestamp", b"timestamp"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -164,6 +199,8 @@ class Snapshot(_message.Message):
     STREAM_ID_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
     LINEAGE_FIELD_NUMBER: _builtins.int
+    TIER_EVENTS_FIELD_NUMBER: _builtins.int
+    TIER_LINEAGE_FIELD_NUMBER: _builtins.int
     sequence: _builtins.int
     """the last engine sequence reflected (meaningful when has_sequence)"""
     has_sequence: _builtins.bool
@@ -183,6 +220,14 @@ class Snapshot(_message.Message):
         that ignores them only places fewer blocks (answers lower, never higher).
         """
 
+    @_builtins.property
+    def tier_events(self) -> _containers.RepeatedCompositeFieldContainer[Global___KvGroupEvent]:
+        """Every lower tier's view, as `events` and `lineage` are the GPU's, each event with its
+        `tier`; a subscriber that ignores them keeps a GPU-only view. A tier absent here is empty.
+        """
+
+    @_builtins.property
+    def tier_lineage(self) -> _containers.RepeatedCompositeFieldContainer[Global___KvGroupEvent]: ...
     def __init__(
         self,
         *,
@@ -193,10 +238,12 @@ class Snapshot(_message.Message):
         stream_id: _builtins.str = ...,
         reason: _builtins.str = ...,
         lineage: _abc.Iterable[Global___KvGroupEvent] | None = ...,
+        tier_events: _abc.Iterable[Global___KvGroupEvent] | None = ...,
+        tier_lineage: _abc.Iterable[Global___KvGroupEvent] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dp_rank", b"dp_rank", "events", b"events", "has_sequence", b"has_sequence", "lineage", b"lineage", "reason", b"reason", "sequence", b"sequence", "stream_id", b"stream_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dp_rank", b"dp_rank", "events", b"events", "has_sequence", b"has_sequence", "lineage", b"lineage", "reason", b"reason", "sequence", b"sequence", "stream_id", b"stream_id", "tier_events", b"tier_events", "tier_lineage", b"tier_lineage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

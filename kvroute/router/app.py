@@ -27,6 +27,7 @@ from kvroute.router.config import RouterConfig, TokenizerConfig
 from kvroute.router.edge.openai_request import GENERATION_ENDPOINTS
 from kvroute.router.edge.passthrough import Passthrough
 from kvroute.router.edge.proxy import Proxy, ProxyEndpoint
+from kvroute.router.edge.refusals import counting_refusals
 from kvroute.router.edge.trust import TrustedPeers
 from kvroute.router.edge.upstream import Upstream
 from kvroute.router.fleet.discovery import parse_discovery_config, start_discovery
@@ -47,6 +48,7 @@ from kvroute.router.fleet.verify import Verifier
 from kvroute.router.fleet.workers import StaticDiscovery, Worker, WorkerRegistry
 from kvroute.router.ops import dashboard
 from kvroute.router.ops.admin import Admin
+from kvroute.router.ops.admin_auth import AdminTokens
 from kvroute.router.ops.decisions import DecisionLog
 from kvroute.router.ops.metrics import RouterMetrics, ScalarGauge
 from kvroute.router.ops.probes import Probes
@@ -127,10 +129,12 @@ class _Housekeeping:
         probes: list[Callable[[Worker], Any]],
         verifier: Verifier,
         policy: Policy,
+        metrics: RouterMetrics,
     ) -> None:
         self._probes = probes
         self._verifier = verifier
         self._policy = policy
+        self._metrics = metrics
         self.started = False
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -149,6 +153,7 @@ class _Housekeeping:
     def worker_removed(self, worker: Worker) -> None:
         self._verifier.forget(worker.name)
         self._policy.forget_worker(worker.name)
+        self._metrics.forget_worker(worker.name)
 
 
 class RouterApp(Starlette):
@@ -184,7 +189,9 @@ def create_app(
 ) -> Starlette:
     """Build the router app. The returned app's `state.kvroute` holds its `Components`."""
     metrics = RouterMetrics()
-    upstream = Upstream(cfg.timeouts, cfg.limits, pool_wait_s=cfg.edge.pool_wait_s)
+    upstream = Upstream(
+        cfg.timeouts, cfg.limits, pool_wait_s=cfg.edge.pool_wait_s, tls=cfg.upstream_tls
+    )
     registry = WorkerRegistry(
         cfg.breaker,
         max_workers=cfg.limits.max_workers,
@@ -294,7 +301,7 @@ def create_app(
         max_s=cfg.load.metrics_max_interval_s,
         kv_quiet_below=KV_QUIET_FRACTION * cfg.policy.kv_usage_saturation,
     )
-    housekeeping = _Housekeeping([health, models_probe, metrics_probe], verifier, policy)
+    housekeeping = _Housekeeping([health, models_probe, metrics_probe], verifier, policy, metrics)
     registry.listen(housekeeping)
     jobs = [
         Periodic("health", registry, health, cfg.health.interval_s),
@@ -302,7 +309,15 @@ def create_app(
         Periodic("metrics", registry, metrics_probe, cfg.load.metrics_interval_s),
     ]
     admin = Admin(
-        cfg.admin.token, registry, routing, index, events, verifier, decisions, metrics, clock
+        AdminTokens.from_config(cfg.admin),
+        registry,
+        routing,
+        index,
+        events,
+        verifier,
+        decisions,
+        metrics,
+        clock,
     )
     passthrough = Passthrough(
         registry,
@@ -321,6 +336,8 @@ def create_app(
     )
 
     async def metrics_endpoint(request: Request) -> Response:
+        # series counted for a worker after it was removed (a request still in flight then)
+        metrics.keep_workers(set(registry.names()))
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     endpoints = {path: proxy.endpoint(path) for path in GENERATION_ENDPOINTS}
@@ -363,8 +380,10 @@ def create_app(
             policy.name,
             len(registry.model_cards()),
         )
+        refused = metrics.child(metrics.errors, "concurrency_limit")
         try:
-            yield
+            with counting_refusals(refused.inc):
+                yield
         finally:
             if discovery is not None:
                 await discovery.stop()

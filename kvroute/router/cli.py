@@ -103,7 +103,7 @@ def main(argv: list[str]) -> int:
         print(f"config OK: {len(config.workers)} workers, policy {config.policy.name}")
         return 0
     _setup_logging(config.log_level)
-    import uvicorn
+    from kvroute.router import listen
 
     common: dict[str, Any] = {
         "host": config.host,
@@ -120,18 +120,16 @@ def main(argv: list[str]) -> int:
         "backlog": 4096,
         "limit_concurrency": config.edge.limit_concurrency,
     }
+    send_buffer = config.edge.client_send_buffer_bytes
     if config.processes > 1:
         os.environ[RESOLVED_ENV] = json.dumps(dataclasses.asdict(config))
-        uvicorn.run(
-            "kvroute.router.cli:app_from_env", factory=True, workers=config.processes, **common
-        )
-        return 0
+        factory = "kvroute.router.cli:app_from_env"
+        return listen.run(factory, common, config.processes, send_buffer)
     from kvroute.router.app import create_app
 
     app = create_app(config)
     tune_gc()
-    uvicorn.run(app, **common)
-    return 0
+    return listen.run(app, common, 1, send_buffer)
 
 
 def tune_gc() -> None:

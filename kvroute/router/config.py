@@ -66,6 +66,11 @@ class ModelSpec:
         "send plain chat requests as /v1/completions of the router's token ids, so the engine "
         "does not tokenize them again; needs a tokenizer giving the engine's exact ids",
     )
+    embeddings_use_cache: bool = _f(
+        False,
+        "an embedding model whose /v1/embeddings read the prefix cache (decoder, last-token "
+        "pooling: vLLM keeps prefix caching on); off: embeddings get no cache evidence",
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +113,16 @@ class PolicyConfig:
         0.0,
         "weight (>= 0) of the expected wait for a worker's step in flight, whose period is learned "
         "from the stream chunks relayed; 0 = off",
+    )
+    cpu_tier_tokens_per_s: float = _f(
+        200_000.0,
+        "offloaded KV: tokens/s (> 0) a worker loads from its CPU tier instead of prefilling them; "
+        "host-to-GPU bandwidth / KV bytes per token (200k: PCIe 4 x16 at 128 KiB per token)",
+    )
+    storage_tier_tokens_per_s: float = _f(
+        30_000.0,
+        "offloaded KV: tokens/s (> 0) a worker loads from its storage tier (disk, remote store); "
+        "read bandwidth / KV bytes per token (30k: a local NVMe drive at 128 KiB per token)",
     )
     saturation_queue_s: float = _f(
         2.0, "a worker whose queued prefill exceeds this many seconds is saturated"
@@ -208,6 +223,18 @@ class TimeoutsConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class UpstreamTlsConfig:
+    ca_file: str | None = _f(
+        None, "PEM CA bundle trusted for https:// worker URLs; unset = the system's roots"
+    )
+    server_name: str | None = _f(
+        None,
+        "name checked in https:// workers' certificates instead of the URL's host (for "
+        "engines addressed by pod IP); unset = the host",
+    )
+
+
+@dataclass(frozen=True, slots=True)
 class RetryConfig:
     max_attempts: int = _f(3, "attempts per request, across workers, before the first byte")
     backoff_initial_s: float = _f(0.02, "wait before the second attempt")
@@ -298,7 +325,22 @@ class VerifyConfig:
 
 @dataclass(frozen=True, slots=True)
 class AdminConfig:
-    token: str | None = _f(None, "bearer token for /admin/*; unset = admin API disabled")
+    token: str | None = _f(
+        None,
+        "full bearer token for /admin/* (read and change the fleet); set it from a Secret "
+        "(env) or use token_file; unset with no read token = admin API disabled",
+    )
+    token_file: str | None = _f(
+        None, "file holding the full admin token (a mounted Secret); not together with token"
+    )
+    read_token: str | None = _f(
+        None,
+        "read-only bearer token: the dashboard, GET /admin/* and POST /admin/score; refused "
+        "(403) on routes that add, remove, drain, undrain or resync workers",
+    )
+    read_token_file: str | None = _f(
+        None, "file holding the read-only admin token; not together with read_token"
+    )
     response_headers: bool = _f(
         False, "add x-kvroute-worker / x-kvroute-predicted-cached-tokens to responses"
     )
@@ -356,6 +398,11 @@ class EdgeConfig:
         "a streaming client that accepts no bytes for this many seconds is dropped and its "
         "upstream connection freed (> 0)",
     )
+    client_send_buffer_bytes: int = _f(
+        256 * 1024,
+        "kernel send buffer of each client connection (bytes, 0 or >= 4096; 0: the kernel's "
+        "autotuning, up to MiBs); what a client that stops reading holds before write_stall_s",
+    )
     request_deadline_s: float = _f(
         600.0,
         "seconds from dispatch to the answer's first byte, all attempts and retries included; "
@@ -394,6 +441,9 @@ class RouterConfig:
     )
     timeouts: TimeoutsConfig = field(
         default_factory=TimeoutsConfig, metadata={"doc": "upstream and probe timeouts"}
+    )
+    upstream_tls: UpstreamTlsConfig = field(
+        default_factory=UpstreamTlsConfig, metadata={"doc": "TLS to https:// workers"}
     )
     retry: RetryConfig = field(
         default_factory=RetryConfig, metadata={"doc": "retries to another worker"}

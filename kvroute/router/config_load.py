@@ -23,13 +23,18 @@ from kvroute.router.config import (
     POLICY_NAMES,
     TOKENIZER_MODES,
     WORKER_ROLES,
+    AdminConfig,
     ModelSpec,
     PolicyConfig,
     RouterConfig,
     WorkerSpec,
 )
 from kvroute.router.edge.trust import parse_networks
-from kvroute.router.fleet.discovery import DiscoveryConfigError, parse_discovery_config
+from kvroute.router.fleet.discovery import (
+    DiscoveryConfigError,
+    parse_discovery_config,
+    valid_worker_name,
+)
 
 ENV_PREFIX = "KVROUTE_"
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -87,6 +92,12 @@ def config_from_dict(data: Mapping[str, Any]) -> RouterConfig:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
     assert isinstance(config, RouterConfig)
     return config
+
+
+def env_name(dotted: str) -> str:
+    """The environment variable that sets the config key `dotted` ("admin.token" ->
+    KVROUTE_ADMIN__TOKEN); `env_overrides` reads exactly these names."""
+    return ENV_PREFIX + dotted.upper().replace(".", "__")
 
 
 def env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
@@ -318,7 +329,13 @@ def validate(c: RouterConfig) -> list[str]:
 
     p = c.policy
     need(p.name in POLICY_NAMES, f"policy.name: expected one of {', '.join(POLICY_NAMES)}")
-    for key in ("prefill_tokens_per_s", "saturation_queue_s", "session_bounded_load"):
+    for key in (
+        "prefill_tokens_per_s",
+        "cpu_tier_tokens_per_s",
+        "storage_tier_tokens_per_s",
+        "saturation_queue_s",
+        "session_bounded_load",
+    ):
         need(getattr(p, key) > 0, f"policy.{key}: expected a number > 0")
     need(p.tokens_per_running >= 0, "policy.tokens_per_running: expected >= 0")
     need(p.tokens_per_running_home >= 0, "policy.tokens_per_running_home: expected >= 0")
@@ -357,12 +374,23 @@ def validate(c: RouterConfig) -> list[str]:
         edge.limit_concurrency >= lim.max_in_flight,
         "edge.limit_concurrency: below max_in_flight",
     )
+    need(
+        edge.client_send_buffer_bytes == 0 or edge.client_send_buffer_bytes >= 4096,
+        "edge.client_send_buffer_bytes: expected 0 or >= 4096",
+    )
     for key in ("body_read_s", "pool_wait_s", "write_stall_s", "request_deadline_s"):
         need(getattr(edge, key) > 0, f"edge.{key}: expected > 0")
     try:
         parse_networks(edge.trusted_proxies)
     except ValueError as exc:
         need(False, f"edge.trusted_proxies: {exc}")
+
+    tls = c.upstream_tls
+    need(
+        tls.ca_file is None or Path(tls.ca_file).is_file(),
+        f"upstream_tls.ca_file: no such file {tls.ca_file}",
+    )
+    need(tls.server_name is None or bool(tls.server_name), "upstream_tls.server_name: empty")
 
     r = c.retry
     need(r.max_attempts >= 1, "retry.max_attempts: expected >= 1")
@@ -413,15 +441,35 @@ def validate(c: RouterConfig) -> list[str]:
     need(0 < v.miss_fraction <= 1, "verify.miss_fraction: expected in (0, 1]")
     need(v.tolerance_tokens >= 0, "verify.tolerance_tokens: expected >= 0")
     need(v.resync_cooldown_s >= 0, "verify.resync_cooldown_s: expected >= 0")
-    need(c.admin.token is None or len(c.admin.token) >= 8, "admin.token: use >= 8 characters")
+    errors.extend(validate_admin(c.admin))
+    return errors
+
+
+def validate_admin(a: AdminConfig) -> list[str]:
+    """Checks on the admin tokens: at most one source each, long enough, files present, and
+    the read-only token different from the full one."""
+    errors: list[str] = []
+    for key in ("token", "read_token"):
+        value, path = getattr(a, key), getattr(a, key + "_file")
+        if value is not None and path is not None:
+            errors.append(f"admin.{key}: give {key} or {key}_file, not both")
+        if value is not None and len(value) < 8:
+            errors.append(f"admin.{key}: use >= 8 characters")
+        if path is not None and not Path(path).is_file():
+            errors.append(f"admin.{key}_file: no such file {path}")
+    if a.token is not None and a.token == a.read_token:
+        errors.append("admin.read_token: must differ from admin.token")
     return errors
 
 
 def validate_worker(w: WorkerSpec, where: str = "worker") -> list[str]:
     """Checks on one worker spec (also used by the admin API's add)."""
     errors: list[str] = []
-    if not w.name or any(ch.isspace() or ch == "/" for ch in w.name):
-        errors.append(f"{where}.name: expected a non-empty name without spaces or '/'")
+    if not valid_worker_name(w.name):
+        errors.append(
+            f"{where}.name: expected letters, digits and ._-:/ (e.g. namespace/pod), "
+            f"starting with a letter or digit, got {w.name!r}"
+        )
     url = urlsplit(w.url)
     if url.scheme not in ("http", "https") or not url.hostname or url.path not in ("", "/"):
         errors.append(f"{where}.url: expected http://host:port (no path), got {w.url!r}")

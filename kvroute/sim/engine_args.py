@@ -83,6 +83,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default=DEFAULT_LEASE_S,
         help="seconds a producer keeps unpulled blocks (vLLM's kv_lease_duration; > 0)",
     )
+    p.add_argument(
+        "--runner",
+        choices=("generate", "pooling"),
+        default="generate",
+        help="generate: completions, chat, responses; pooling: an embedding model "
+        "(/v1/embeddings only), as vLLM's --runner",
+    )
     p.add_argument("--log-level", default="warning")
 
 
@@ -116,6 +123,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         retention_interval=args.retention,
         speed=args.speed,
         seed=args.seed,
+        runner=args.runner,
         kv_transfer=None
         if args.kv_role is None
         else TransferConfig(args.kv_role, args.kv_link_gbps * 1e9 / 8, args.kv_lease_s),
@@ -132,7 +140,7 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
         "--retention", "none" if args.retention is None else str(args.retention),
         "--speed", str(args.speed), "--seed", str(args.seed),
         "--wire-version", args.wire_version, "--topic", args.topic, "--log-level", args.log_level,
-        "--cache-backend", args.cache_backend,
+        "--cache-backend", args.cache_backend, "--runner", args.runner,
     ]  # fmt: skip
     for name in args.lora:
         out += ["--lora", name]

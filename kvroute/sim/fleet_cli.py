@@ -227,7 +227,11 @@ class Fleet:
 
 
 def router_config(
-    members: list[Member], model: str, alignment: int | None, via_bridge: bool
+    members: list[Member],
+    model: str,
+    alignment: int | None,
+    via_bridge: bool,
+    runner: str = "generate",
 ) -> dict[str, Any]:
     """The router config for this fleet (the `kvroute serve --config` format)."""
     workers = []
@@ -249,6 +253,9 @@ def router_config(
     spec: dict[str, Any] = {"tokenizer": str(MODEL_DIR), "send_token_ids": True}
     if alignment is not None:
         spec["alignment"] = alignment
+    if runner == "pooling":
+        # the simulated embedder reads the prefix cache (last-token pooling)
+        spec["embeddings_use_cache"] = True
     return {"workers": workers, "models": {model: spec}}
 
 
@@ -345,7 +352,7 @@ def main(argv: list[str]) -> int:
         print(f"kvroute sim fleet: {exc}", file=sys.stderr)
         return 1
     try:
-        config = router_config(members, args.model, spec.alignment, bridges)
+        config = router_config(members, args.model, spec.alignment, bridges, args.runner)
         if args.config_out:
             args.config_out.parent.mkdir(parents=True, exist_ok=True)
             header = f"# router config written by: kvroute sim fleet {' '.join(argv)}\n"

@@ -100,6 +100,8 @@ class SimTokenizer:
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_exception
         self._template = env.from_string(template) if template else None
+        # vLLM hands a template that never names the developer role system messages instead.
+        self._knows_developer = bool(template) and "developer" in str(template)
         eos_id = self._tok.token_to_id(self.eos_token)
         if eos_id is None:
             raise ValueError(f"{self.model_dir}: eos_token {self.eos_token!r} is not in the vocab")
@@ -146,8 +148,15 @@ class SimTokenizer:
         if self._template is None:
             raise ChatTemplateError("the model directory has no chat template")
         kwargs = dict(chat_template_kwargs or {})
+        conversation = normalize_messages(messages)
+        if not self._knows_developer:
+            # (vLLM also merges system messages that do not lead the conversation into the
+            # first one; the simulated engine's prompts open with theirs.)
+            conversation = [
+                {**m, "role": "system"} if m["role"] == "developer" else m for m in conversation
+            ]
         kwargs.update(
-            messages=normalize_messages(messages),
+            messages=conversation,
             tools=list(tools) if tools else None,
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token,

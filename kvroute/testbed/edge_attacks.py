@@ -1,7 +1,7 @@
 """Resource-exhaustion attacks on a running router, over raw loopback sockets, and the
-measures that show it survives them: slow uploads, streams nobody reads, large bodies at
-once, and a fresh request's answer time while they last. Shared by the edge tests and
-bench/edge_exhaustion.py; each function returns plain numbers."""
+measures that show it survives them: slow uploads, streams nobody reads, connections that
+never finish a request, large bodies at once, and a fresh request's answer time while they
+last. Shared by the edge tests and the benchmarks; each function returns plain numbers."""
 
 from __future__ import annotations
 
@@ -91,6 +91,21 @@ def slow_uploads(host: str, port: int, n: int, path: str) -> Iterator[list[socke
         for _ in range(n):
             sock = _connect(host, port)
             sock.sendall(_head(path, 1024, host) + b'{"model":"')
+            socks.append(sock)
+        yield socks
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+@contextlib.contextmanager
+def idle_connections(host: str, port: int, n: int) -> Iterator[list[socket.socket]]:
+    """`n` connections that send the first line of a request and never finish its head."""
+    socks = []
+    try:
+        for _ in range(n):
+            sock = _connect(host, port)
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\n")
             socks.append(sock)
         yield socks
     finally:

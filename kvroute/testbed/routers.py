@@ -112,6 +112,13 @@ ROUTERS: dict[str, RouterSpec] = {
             (("KVROUTE_LOAD__RELEASE_AT_MEASURED_RATE", "false"),),
         ),
         RouterSpec(
+            "kvroute-no-queue-saturation",
+            "kvroute (default, no worker saturated by its queued prefill: no spill for a queue)",
+            "kvroute",
+            "ttft",
+            (("KVROUTE_POLICY__SATURATION_QUEUE_S", "1e9"),),
+        ),
+        RouterSpec(
             "kvroute-unbounded-home",
             "kvroute (default, home discount at any load, the earlier rule)",
             "kvroute",

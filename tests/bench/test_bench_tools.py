@@ -347,3 +347,12 @@ def test_the_no_answer_cache_variant_turns_only_remember_answers_off(tmp_path: P
     assert base.tokenizer.remember_answers
     assert not variant.tokenizer.remember_answers
     assert variant.models == base.models and variant.policy == base.policy
+
+
+def test_mooncake_replays_send_no_session_header() -> None:
+    from bench.routing_bench import load_config, parse_args
+
+    mooncake = load_config(parse_args(["--mooncake", "trace.jsonl"]))
+    own = load_config(parse_args([]))
+    assert mooncake.session_header is None  # the trace has no session ids to send
+    assert own.session_header == "x-session-id"  # the generator's traces do

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from kvroute.bridge import vllm_schema as s
 from kvroute.bridge.convert import ConvertStats, convert_batch, normalise_hash
-from kvroute.proto.events_pb2 import KvEventBatch, KvGroupEvent
+from kvroute.proto.events_pb2 import KvEventBatch, KvGroupEvent, Tier
 from kvroute.proto.namespace import salt_namespace
 
 STORE, REMOVE, CLEAR, INVALID = (
@@ -104,14 +104,14 @@ def test_bad_parent_and_out_of_range_values_are_invalid() -> None:
     assert stats.invalid == 4 and stats.stored_blocks == 1
 
 
-def test_only_local_gpu_events_kept_symmetrically() -> None:
+def test_local_events_kept_by_tier_and_remote_dropped_symmetrically() -> None:
     def st_(**kw: Any) -> s.BlockStored:
         return s.BlockStored([1], None, T64[:16], 16, **kw)
 
     def rm(**kw: Any) -> s.BlockRemoved:
         return s.BlockRemoved([1], **kw)
 
-    kept = [
+    gpu = [
         st_(),
         st_(medium=None),
         st_(locality="LOCAL"),
@@ -119,20 +119,51 @@ def test_only_local_gpu_events_kept_symmetrically() -> None:
         rm(medium=None),
         rm(locality="LOCAL"),
     ]
-    dropped = [
+    lower = [
         st_(medium="CPU"),
-        st_(medium="STORAGE"),
+        st_(medium="STORAGE", locality="LOCAL"),
+        st_(medium="STORAGE", ownership="tier1"),
+        rm(medium="CPU"),
+        rm(medium="STORAGE", ownership="tier1"),
+    ]
+    dropped = [
         st_(locality="REMOTE"),
         st_(ownership="tier1"),
-        rm(medium="CPU"),
+        st_(medium="CPU", locality="REMOTE"),
+        st_(medium="NVME"),
         rm(locality="REMOTE"),
         rm(ownership="tier1"),
+        rm(medium="CPU", locality="REMOTE"),
     ]
     stats = ConvertStats()
-    payload = s.encode_batch(1, kept + dropped, 0, "0.33")
+    payload = s.encode_batch(1, gpu + lower + dropped, 0, "0.33")
     batch = convert_batch(s.BatchDecoder().decode(payload), 0, stats=stats)
     assert [e.operation for e in batch.events] == [STORE] * 3 + [REMOVE] * 3
+    assert all(e.tier == Tier.GPU for e in batch.events)
+    assert [(e.operation, e.tier) for e in batch.tier_events] == [
+        (STORE, Tier.CPU),
+        (STORE, Tier.STORAGE),
+        (STORE, Tier.STORAGE),
+        (REMOVE, Tier.CPU),
+        (REMOVE, Tier.STORAGE),
+    ]
+    assert list(batch.tier_events[0].token_ids) == T64[:16]
     assert stats.filtered == len(dropped)
+
+
+def test_lower_tier_placeholders_dropped_and_counted_but_their_removals_pass() -> None:
+    placeholder = s.BlockStored([9], None, [], 0, medium="CPU", group_idx=0)
+    invalid = s.BlockStored([9], None, T64[:16], 0, medium="CPU", group_idx=0)
+    removal = s.BlockRemoved([9], medium="CPU", group_idx=0)
+    stats = ConvertStats()
+    payload = s.encode_batch(1, [placeholder, invalid, removal], 0, "0.33")
+    batch = convert_batch(s.BatchDecoder().decode(payload), 0, stats=stats)
+    assert not batch.events
+    assert [(e.operation, e.tier) for e in batch.tier_events] == [
+        (INVALID, Tier.CPU),
+        (REMOVE, Tier.CPU),
+    ]
+    assert stats.placeholders == {Tier.CPU: 1} and stats.invalid == 1
 
 
 def test_sparse_store_forwarded_whole_and_duplicates_kept() -> None:

@@ -18,6 +18,7 @@ from vllm_releases import RELEASES, UNVERIFIED, layout_of, support_table
 from kvroute.bridge import vllm_schema as s
 from kvroute.bridge.convert import convert_batch
 from kvroute.proto.events_pb2 import KvGroupEvent
+from kvroute.proto.namespace import salt_namespace
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 SUPPORT_DOC = Path(__file__).resolve().parents[2] / "docs" / "vllm-support.md"
@@ -186,7 +187,7 @@ def expected(scenario: str, ev: dict[str, Any]) -> list[KvGroupEvent]:
     if scenario == "lookahead":
         return [_store(ev, unmatchable=True)]
     if scenario in ("cache_salt", "lora_and_salt"):
-        return [_store(ev, cache_salt="salt-xyz")]
+        return [_store(ev, cache_namespace=salt_namespace("salt-xyz"))]  # never the raw salt
     if scenario == "multimodal_key_on_second_block":
         return _split(ev, 1)
     return [_store(ev)]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from kvroute.router.config_load import env_name
 from tests.deploy.test_deploy_chart import by_kind, objects
 
 SECRETS = json.dumps(
@@ -78,6 +79,32 @@ def test_tokens_come_from_secrets() -> None:
     assert "bridge_token_file: /etc/kvroute-bridge/token" in text
     # no secret value anywhere but in Secrets the operator made (none rendered here)
     assert by_kind(objs, "Secret") == []
+
+
+def test_read_only_admin_token_from_its_own_secret() -> None:
+    values = {"router": {"adminTokenSecret": "kvroute-admin", "adminReadTokenSecret": "ro"}}
+    env = container(objects(json.dumps(values)), "router", "router")["container"]["env"]
+    assert env == [
+        {
+            "name": "KVROUTE_ADMIN__TOKEN",
+            "valueFrom": {"secretKeyRef": {"name": "kvroute-admin", "key": "token"}},
+        },
+        {
+            "name": "KVROUTE_ADMIN__READ_TOKEN",
+            "valueFrom": {"secretKeyRef": {"name": "ro", "key": "token"}},
+        },
+    ]
+    alone = {"router": {"adminReadTokenSecret": "ro", "adminReadTokenSecretKey": "k"}}
+    (only,) = container(objects(json.dumps(alone)), "router", "router")["container"]["env"]
+    assert only == {
+        "name": "KVROUTE_ADMIN__READ_TOKEN",
+        "valueFrom": {"secretKeyRef": {"name": "ro", "key": "k"}},
+    }
+    # the names the chart sets are the router's own variables for these settings
+    assert env_name("admin.token") == env[0]["name"]
+    assert env_name("admin.read_token") == env[1]["name"]
+    none = container(objects(), "router", "router")["container"]
+    assert "env" not in none
 
 
 def test_probes_use_livez_and_readyz() -> None:

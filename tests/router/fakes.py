@@ -7,7 +7,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvroute.proto import events_pb2
-from kvroute.router.routing.index_view import IndexStats, ReuseExplanation
+from kvroute.router.routing.index_view import IndexStats, ReuseExplanation, TierReuse
 
 
 @dataclass
@@ -56,6 +56,18 @@ class ScriptedIndex:
         keys: Sequence[int] | None = None,
     ) -> tuple[Mapping[str, int | None], Mapping[str, int]]:
         return self.score(token_ids, lora_name, cache_salt, keys), dict(self.coverages)
+
+    tier_tokens: dict[str, TierReuse] = field(default_factory=dict)
+
+    def tiers(
+        self,
+        token_ids: Sequence[int],
+        gpu: Mapping[str, int | None],
+        lora_name: str = "",
+        cache_salt: str = "",
+        keys: Sequence[int] | None = None,
+    ) -> Mapping[str, TierReuse]:
+        return {k: v for k, v in self.tier_tokens.items() if gpu.get(k) is not None}
 
     def expect(
         self,

@@ -6,8 +6,11 @@ import asyncio
 import contextlib
 import io
 import json
+import logging
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from kvroute.router.ops import inspect_cli
 from tests.router.harness import ADMIN, rig
@@ -30,6 +33,99 @@ def test_admin_requires_the_token() -> None:
         async with rig(1, admin={"token": None}) as r:
             resp = await r.client.get("/admin/workers", headers=r.admin_headers())
             assert resp.status_code == 403 and "disabled" in resp.json()["error"]["message"]
+
+    run(go())
+
+
+READ = "test-read-only-token"
+
+
+def test_read_only_token_reads_but_cannot_change_the_fleet() -> None:
+    async def go() -> None:
+        async with rig(1, admin={"read_token": READ}) as r:
+            full, read = r.admin_headers(), {"authorization": f"Bearer {READ}"}
+            spec = {"name": "ns/extra", "url": r.engine_urls["w0"], "model": "m"}
+            one = "/admin/workers/ns/extra"
+            reads = [
+                ("GET", "/admin/workers", None),
+                ("GET", "/admin/workers/w0", None),
+                ("GET", "/admin/decisions", None),
+                ("POST", "/admin/score", CHAT),
+            ]
+            writes = [
+                ("POST", "/admin/workers", spec),
+                ("POST", f"{one}/drain", None),
+                ("POST", f"{one}/undrain", None),
+                ("POST", f"{one}/resync", None),
+                ("DELETE", f"{one}?drain=false", None),
+            ]
+            for method, path, body in reads + writes:
+                anon = await r.client.request(method, path, json=body)
+                assert anon.status_code == 401, (method, path)
+            for method, path, body in reads:
+                got = await r.client.request(method, path, json=body, headers=read)
+                assert got.status_code == 200, (method, path, got.text)
+            before = len(r.parts.registry)
+            for method, path, body in writes:
+                got = await r.client.request(method, path, json=body, headers=read)
+                assert got.status_code == 403, (method, path, got.text)
+                assert "read-only" in got.json()["error"]["message"]
+            assert len(r.parts.registry) == before and r.parts.registry.get("ns/extra") is None
+            # the full token does both
+            for method, path, body in writes:
+                got = await r.client.request(method, path, json=body, headers=full)
+                assert got.status_code in (200, 201), (method, path, got.text)
+            assert r.parts.registry.get("ns/extra") is None  # added, then removed
+            for method, path, body in reads:
+                got = await r.client.request(method, path, json=body, headers=full)
+                assert got.status_code == 200, (method, path)
+            text = (await r.client.get("/metrics")).text
+            assert 'kvroute_errors_total{kind="admin_read_only"} 5.0' in text
+            assert 'kvroute_errors_total{kind="unauthorized"} 9.0' in text
+        # a read-only token alone: the API is on for reading, writes are refused
+        async with rig(1, admin={"token": None, "read_token": READ}) as r:
+            read = {"authorization": f"Bearer {READ}"}
+            assert (await r.client.get("/admin/workers", headers=read)).status_code == 200
+            drain = await r.client.post("/admin/workers/w0/drain", headers=read)
+            assert drain.status_code == 403
+
+    run(go())
+
+
+def test_refused_admin_calls_are_logged_once_per_interval(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def go() -> None:
+        async with rig(1, admin={"read_token": READ}) as r:
+            read = {"authorization": f"Bearer {READ}"}
+            for _ in range(3):
+                await r.client.get("/admin/workers", headers={"authorization": "Bearer nope-nope"})
+                await r.client.post("/admin/workers/w0/drain", headers=read)
+
+    with caplog.at_level(logging.WARNING, logger="kvroute.router.ops.admin"):
+        run(go())
+    lines = [rec.getMessage() for rec in caplog.records if rec.name == "kvroute.router.ops.admin"]
+    assert len(lines) == 2, lines  # one per kind of refusal, the repeats suppressed
+    assert any("'/admin/workers' refused: missing or wrong" in line for line in lines)
+    assert any("'/admin/workers/w0/drain' refused: the read-only" in line for line in lines)
+    assert not any(READ in line or "nope-nope" in line for line in lines)
+
+
+def test_admin_tokens_from_files(tmp_path: Path) -> None:
+    full_file, read_file = tmp_path / "full", tmp_path / "read"
+    full_file.write_text("file-full-token\n")
+    read_file.write_text("file-read-token\n")
+
+    async def go() -> None:
+        admin = {"token": None, "token_file": str(full_file), "read_token_file": str(read_file)}
+        async with rig(1, admin=admin) as r:
+            full = {"authorization": "Bearer file-full-token"}
+            read = {"authorization": "Bearer file-read-token"}
+            assert (await r.client.get("/admin/workers", headers=read)).status_code == 200
+            assert (await r.client.post("/admin/workers/w0/drain", headers=read)).status_code == 403
+            assert (await r.client.post("/admin/workers/w0/drain", headers=full)).status_code == 200
+            old = await r.client.get("/admin/workers", headers=r.admin_headers())
+            assert old.status_code == 401
 
     run(go())
 
@@ -97,6 +193,80 @@ def test_workers_listing_and_membership() -> None:
             bad_role = {**dec, "name": "d8", "role": "kv_consumer"}
             refused = await r.client.post("/admin/workers", json=bad_role, headers=h)
             assert refused.status_code == 400 and "role" in refused.json()["error"]["message"]
+
+    run(go())
+
+
+def test_namespace_pod_worker_names_work_through_http() -> None:
+    """Kubernetes workers are named namespace/pod: every per-worker route takes such a name,
+    written with a plain or a percent-encoded slash, and a pod named like an action is kept
+    apart from the action."""
+
+    async def go() -> None:
+        async with rig(1) as r:
+            h = r.admin_headers()
+            for name in ("team-a/vllm-0", "team-a/drain"):
+                spec = {"name": name, "url": r.engine_urls["w0"], "model": "m"}
+                added = await r.client.post("/admin/workers", json=spec, headers=h)
+                assert added.status_code == 201 and added.json()["name"] == name
+            got = await r.client.get("/admin/workers/team-a/vllm-0", headers=h)
+            assert got.status_code == 200 and got.json()["name"] == "team-a/vllm-0"
+            got = await r.client.get("/admin/workers/team-a%2Fvllm-0", headers=h)
+            assert got.status_code == 200 and got.json()["name"] == "team-a/vllm-0"
+            # a pod literally named "drain": GET reads it, .../drain/drain drains it
+            got = await r.client.get("/admin/workers/team-a/drain", headers=h)
+            assert got.status_code == 200 and got.json()["name"] == "team-a/drain"
+            d = await r.client.post("/admin/workers/team-a/drain/drain", headers=h)
+            assert d.status_code == 200 and d.json()["name"] == "team-a/drain"
+            assert r.parts.registry.get("team-a/vllm-0").state == "active"  # type: ignore[union-attr]
+
+            d = await r.client.post("/admin/workers/team-a/vllm-0/drain", headers=h)
+            assert d.status_code == 200
+            assert d.json()["name"] == "team-a/vllm-0" and d.json()["state"] == "draining"
+            u = await r.client.post("/admin/workers/team-a%2Fvllm-0/undrain", headers=h)
+            assert u.status_code == 200 and u.json()["state"] == "active"
+            rs = await r.client.post("/admin/workers/team-a/vllm-0/resync", headers=h)
+            assert rs.status_code == 200 and rs.json()["name"] == "team-a/vllm-0"
+            gone = await r.client.delete("/admin/workers/team-a/vllm-0?drain=false", headers=h)
+            assert gone.status_code == 200 and gone.json()["removed"] is True
+            assert r.parts.registry.get("team-a/vllm-0") is None
+            missing = await r.client.get("/admin/workers/team-a/vllm-0", headers=h)
+            assert missing.status_code == 404
+            assert "team-a/vllm-0" in missing.json()["error"]["message"]
+            names = [
+                w["name"]
+                for w in (await r.client.get("/admin/workers", headers=h)).json()["workers"]
+            ]
+            assert names == ["w0", "team-a/drain"]
+
+    run(go())
+
+
+def test_removed_workers_leave_no_metric_series() -> None:
+    async def go() -> None:
+        async with rig(1) as r:
+            h = r.admin_headers()
+            spec = {"name": "team-a/vllm-1", "url": r.engine_urls["w0"], "model": "m"}
+            assert (await r.client.post("/admin/workers", json=spec, headers=h)).status_code == 201
+            await r.client.post("/admin/workers/w0/drain", headers=h)  # traffic to the new one
+            for i in range(3):
+                body = {**CHAT, "messages": [{"role": "user", "content": f"q{i}"}]}
+                assert (await r.client.post("/v1/chat/completions", json=body)).status_code == 200
+            await r.client.post("/admin/workers/w0/undrain", headers=h)
+            label = 'worker="team-a/vllm-1"'
+            text = (await r.client.get("/metrics")).text
+            assert f'kvroute_upstream_responses_total{{outcome="2xx",{label}}} 3.0' in text
+            assert f"kvroute_upstream_first_byte_seconds_count{{{label}}} 3.0" in text
+            assert "kvroute_prediction_outcomes_total{" in text and label in text
+            gone = await r.client.delete("/admin/workers/team-a/vllm-1", headers=h)
+            assert gone.json()["removed"] is True
+            text = (await r.client.get("/metrics")).text
+            assert label not in text
+            assert 'worker="w0"' in text  # the others keep theirs
+            # counted after the removal (a response still in flight then): gone at the scrape
+            metrics = r.parts.metrics
+            metrics.child(metrics.upstream, "team-a/vllm-1", "2xx").inc()
+            assert label not in (await r.client.get("/metrics")).text
 
     run(go())
 

@@ -66,6 +66,11 @@ def test_config_path_from_environment(tmp_path: Path) -> None:
     assert len(cfg.workers) == 2
 
 
+def test_namespace_pod_worker_names_are_accepted() -> None:
+    cfg = config_from_dict({"workers": [{"name": "team-a/vllm-0", "url": "http://h:1"}]})
+    assert cfg.workers[0].name == "team-a/vllm-0"
+
+
 def test_model_shorthand_and_policy_mapping() -> None:
     cfg = config_from_dict(
         {**FLEET, "models": {"m": "request"}, "policy": {"name": "ttft", "spill": False}}
@@ -90,6 +95,8 @@ def test_model_shorthand_and_policy_mapping() -> None:
         ),
         ({"workers": []}, "workers: at least one worker"),
         ({"workers": [{"name": "a", "url": "localhost:80"}]}, "workers[0].url"),
+        ({"workers": [{"name": "a b", "url": "http://h:1"}]}, "workers[0].name"),
+        ({"workers": [{"name": "/pod", "url": "http://h:1"}]}, "workers[0].name"),
         ({"workers": [{"name": "a", "url": "http://h:1", "bridge": "h"}]}, "workers[0].bridge"),
         (
             {"workers": [{"name": "a", "url": "http://h:1", "bridge": "h:1", "zmq": "tcp://h:2"}]},
@@ -106,6 +113,16 @@ def test_model_shorthand_and_policy_mapping() -> None:
         ({"verify": {"min_samples": 100}}, "verify.min_samples"),
         ({"retry": {"max_attempts": 0}}, "retry.max_attempts"),
         ({"admin": {"token": "short"}}, "admin.token"),
+        ({"admin": {"read_token": "short"}}, "admin.read_token: use >= 8"),
+        (
+            {"admin": {"token": "same-token", "read_token": "same-token"}},
+            "admin.read_token: must differ",
+        ),
+        (
+            {"admin": {"token": "long-enough", "token_file": "/no/such/file"}},
+            "admin.token: give token or token_file",
+        ),
+        ({"admin": {"read_token_file": "/no/such/file"}}, "admin.read_token_file: no such"),
         ({"breaker": {"open_s": 0}}, "breaker.open_s"),
     ],
 )

@@ -59,3 +59,20 @@ def test_children_are_cached_and_labels_checked() -> None:
         c.inc()  # has labels
     with pytest.raises(ValueError):
         LiteHistogram("z", "no buckets", buckets=())
+
+
+def test_remove_where_drops_only_the_rejected_series() -> None:
+    registry = CollectorRegistry()
+    counter = LiteCounter("c", "doc", ["worker", "outcome"], registry=registry)
+    hist = LiteHistogram("h", "doc", ["worker"], buckets=BUCKETS, registry=registry)
+    for worker in ("ns/a", "b"):
+        counter.labels(worker, "2xx").inc()
+        counter.labels(worker, "5xx").inc()
+        hist.labels(worker).observe(0.5)
+    assert counter.remove_where("worker", lambda w: w != "ns/a") == 2
+    assert hist.remove_where("worker", lambda w: w != "ns/a") == 1
+    text = "\n".join(exposition(registry))
+    assert 'worker="ns/a"' not in text
+    assert 'c_total{outcome="5xx",worker="b"} 1.0' in text and 'h_count{worker="b"} 1.0' in text
+    counter.labels("ns/a", "2xx").inc()  # a new series starts from zero
+    assert 'c_total{outcome="2xx",worker="ns/a"} 1.0' in "\n".join(exposition(registry))

@@ -134,7 +134,7 @@ def test_a_connect_during_a_router_stall_is_not_charged_to_the_worker(measured: 
                 limit=4, connect_s=0.2, read_idle_s=5.0, stalls=stalls if measured else None
             )
             try:
-                connecting = asyncio.create_task(pool._acquire(("127.0.0.1", port)))
+                connecting = asyncio.create_task(pool._acquire(("127.0.0.1", port, False)))
                 await asyncio.sleep(0)  # the connect is under way
                 time.sleep(0.6)  # the router's loop is busy for three connect timeouts
                 if measured:

@@ -228,7 +228,7 @@ def test_inspect_and_score_explain_both_halves(rig: PdRig) -> None:
         capture_output=True,
         text=True,
         timeout=60,
-        env={**os.environ, "KVROUTE_ADMIN_TOKEN": ADMIN},
+        env={**os.environ, "KVROUTE_ADMIN__TOKEN": ADMIN},
         check=False,
     )
     assert out.returncode == 0, out.stderr

@@ -141,6 +141,22 @@ def test_fleet_without_bridges_writes_zmq_workers(tmp_path: Path) -> None:
     assert not any(_alive(p) for p in _children(info))
 
 
+def test_pooling_fleet_serves_embeddings_and_routes_them_by_cache(tmp_path: Path) -> None:
+    proc, info = _start(["--workers", "1", "--no-bridge", "--runner", "pooling"], tmp_path)
+    try:
+        config = yaml.safe_load((tmp_path / "router.yaml").read_text())
+        assert config["models"]["kvroute-sim"]["embeddings_use_cache"] is True
+        url = info["workers"][0]["url"]
+        r = httpx.post(f"{url}/v1/embeddings", json={"input": "hello fleet"}, timeout=10)
+        assert r.status_code == 200 and r.json()["data"][0]["object"] == "embedding"
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "x"}, timeout=10)
+        assert r.status_code == 404
+    finally:
+        os.kill(proc.pid, signal.SIGTERM)
+        proc.wait(30)
+    assert proc.returncode == 0
+
+
 def test_fleet_rejects_bad_arguments() -> None:
     r = subprocess.run(
         [sys.executable, "-m", "kvroute", "sim", "fleet", "--workers", "0"],

@@ -20,6 +20,10 @@ from prometheus_client import CollectorRegistry
 from kvroute.router.tokenize import TokenizedPrompt, TokenizeError, Tokenizers, TokenizerSpec
 from kvroute.router.tokenize.local import LocalTokenizer
 from kvroute.router.tokenize.prefix_cache import PrefixCache
+from kvroute.sim.api.responses_request import render_responses
+from kvroute.sim.engine.core import EngineConfig
+from kvroute.sim.server import SimEngineThread
+from kvroute.sim.tokenizer import SimTokenizer
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -463,7 +467,12 @@ def test_unsupported_requests_route_without_ids(model_dirs: dict[str, Path]) -> 
         (CHAT, {"model": "m", "messages": [{"role": "user", "content": [image]}]}, "multimodal"),
         (CHAT, {**_chat("x"), "truncate_prompt_tokens": 5}, "truncation"),
         (COMPLETIONS, {"model": "m", "prompt": "x", "suffix": "y"}, "suffix"),
-        ("/v1/responses", {"model": "m", "input": "x"}, "endpoint_not_local"),
+        (
+            "/v1/responses",
+            {"model": "m", "input": "x", "previous_response_id": "r"},
+            "responses_history",
+        ),
+        ("/v1/responses", {"model": "m", "input": "x", "reasoning": {}}, "responses_reasoning"),
     ]
 
     async def go() -> None:
@@ -475,6 +484,30 @@ def test_unsupported_requests_route_without_ids(model_dirs: dict[str, Path]) -> 
     run(go)
     for _, _, reason in cases:
         assert _value(reg, "kvroute_tokenize_unavailable_total", model="m", reason=reason) == 1
+
+
+def test_responses_input_is_tokenized_locally(model_dirs: dict[str, Path]) -> None:
+    """A Responses body gets the ids of its conversation (instructions as the system message,
+    the input as the user's), with the special tokens that endpoint adds."""
+    spec = TokenizerSpec("local", path=str(model_dirs["chatml"]))
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    chat = {"model": "m", "messages": messages, "add_special_tokens": True}
+    body = {"model": "m", "instructions": "be brief", "input": "hi"}
+    listed = {"model": "m", "instructions": "be brief", "input": [messages[1]]}
+
+    async def go() -> None:
+        tz = Tokenizers({"m": spec}, registry=CollectorRegistry())
+        want = await tz.token_ids("m", CHAT, chat, None)
+        assert want is not None and want.source == "local"
+        for request in (body, listed):
+            got = await tz.token_ids("m", "/v1/responses", request, None)
+            assert got == want
+        with pytest.raises(TokenizeError) as info:
+            await tz.token_ids("m", "/v1/responses", {"model": "m", "input": [5]}, None)
+        assert info.value.param == "input"
+        await tz.aclose()
+
+    run(go)
 
 
 def test_embeddings_text_input(model_dirs: dict[str, Path]) -> None:
@@ -699,6 +732,55 @@ def test_render_falls_back_to_tokenize_and_remembers(model_dirs: dict[str, Path]
     run(go)
     assert engine.hits["/v1/chat/completions/render"] == 1
     assert engine.hits["/tokenize"] == 3
+
+
+RESPONSES_BODY = {
+    "model": "kvroute-sim",
+    "instructions": "Answer briefly.",
+    "input": [
+        {"role": "user", "content": [{"type": "input_text", "text": "what is a block?"}]},
+        {"type": "message", "role": "assistant", "content": "A unit of KV cache."},
+        {"role": "user", "content": "and a page?"},
+    ],
+    "stream": True,
+}
+
+
+def test_render_mode_responses_from_a_simulated_engine() -> None:
+    """The ids of a Responses request from the engine's /v1/responses/render, and through
+    /tokenize (as the conversation vLLM renders) where render is refused: both the ids the
+    engine prefills."""
+    want = render_responses(RESPONSES_BODY, SimTokenizer())[1]
+
+    async def go(url: str) -> None:
+        tz = Tokenizers({"kvroute-sim": TokenizerSpec("render")}, render_timeout_s=5.0)
+        got = await tz.token_ids("kvroute-sim", "/v1/responses", RESPONSES_BODY, url)
+        assert got == TokenizedPrompt(want, "render")
+        await tz.aclose()
+
+    with SimEngineThread(EngineConfig(speed=100)) as sim:
+        run(lambda: go(sim.url))
+
+
+def test_render_falls_back_to_tokenize_for_responses(model_dirs: dict[str, Path]) -> None:
+    engine = FakeEngine(model_dirs["chatml"])
+    engine.render_status = 403  # vLLM without --enable-scale-out
+    body = {**RESPONSES_BODY, "model": "m"}
+
+    async def go() -> None:
+        tz = Tokenizers({"m": TokenizerSpec("render")}, render_timeout_s=1.0)
+        async with serve(engine) as url:
+            got = await tz.token_ids("m", "/v1/responses", body, url)
+            sent = engine.bodies[-1]
+            assert sent["add_special_tokens"] is True and sent["add_generation_prompt"] is True
+            assert sent["messages"][0] == {"role": "system", "content": "Answer briefly."}
+            assert got == TokenizedPrompt(engine.tok.chat_ids(sent)[0], "render")
+            with_history = {**body, "previous_response_id": "resp_1"}
+            assert await tz.token_ids("m", "/v1/responses", with_history, url) is None
+        await tz.aclose()
+
+    run(go)
+    assert engine.hits["/tokenize"] == 1
 
 
 @pytest.mark.parametrize(

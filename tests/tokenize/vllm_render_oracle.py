@@ -1,7 +1,8 @@
 """Reference token ids from vLLM's own code, for the equivalence tests.
 
 Run with the vLLM environment's Python (`.venv-vllm/bin/python`). It reads JSON lines
-`{"model_dir": ..., "endpoint": "/v1/chat/completions" | "/v1/completions", "body": {...},
+`{"model_dir": ..., "endpoint": "/v1/chat/completions" | "/v1/completions" | "/v1/responses",
+"body": {...},
 "server": {...}}` on stdin and writes one JSON line per request: `{"ids": [...], "text": ...}` or
 `{"error": "..."}`.
 
@@ -12,7 +13,10 @@ model config that carries only the fields they read:
 request validation (pydantic `ChatCompletionRequest` / `CompletionRequest`), tool dicts,
 `build_chat_params` + `with_defaults`, `parse_chat_messages` with the detected content format,
 `safe_apply_chat_template` (transformers' `apply_chat_template`, `tokenize=False`), and the
-tokenizer call with the request's `add_special_tokens`.
+tokenizer call with the request's `add_special_tokens`. A Responses request goes through
+vLLM's conversion of its input to chat messages (`construct_input_messages`, the tool dicts,
+continuation of a partial last item) and the tokenizer settings of its `build_tok_params`;
+the answer then also carries the messages (`"messages"`).
 """
 
 from __future__ import annotations
@@ -32,6 +36,11 @@ from vllm.entrypoints.openai.chat_completion.protocol import (
     ChatCompletionRequest,
 )
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
+from vllm.entrypoints.openai.responses.utils import (
+    construct_input_messages,
+    construct_tool_dicts,
+)
 from vllm.renderers.chat_utils import parse_chat_messages
 from vllm.renderers.hf import (
     resolve_chat_template_content_format,
@@ -99,6 +108,38 @@ def _chat(model_dir: str, body: dict[str, Any], server: dict[str, Any]) -> dict[
     return {"ids": list(ids), "text": text, "content_format": content_format}
 
 
+def _responses(model_dir: str, body: dict[str, Any], server: dict[str, Any]) -> dict[str, Any]:
+    tok = _tokenizer(model_dir)
+    mc = _model_config(model_dir, 1 << 20)
+    req = ResponsesRequest(**body)
+    tool_dicts = construct_tool_dicts(req.tools, req.tool_choice)
+    messages = construct_input_messages(
+        request_instructions=req.instructions, request_input=req.input
+    )
+    plain = json.loads(json.dumps(messages, default=lambda o: o.model_dump()))
+    chat_params = req.build_chat_params(
+        server.get("chat_template"), server.get("content_format", "auto")
+    ).with_defaults(
+        merge_kwargs(
+            server.get("default_chat_template_kwargs"), dict(tools=tool_dicts, tokenize=False)
+        )
+    )
+    content_format = resolve_chat_template_content_format(
+        chat_template=chat_params.chat_template,
+        tools=chat_params.chat_template_kwargs.get("tools"),
+        given_format=chat_params.chat_template_content_format,
+        tokenizer=tok,
+        model_config=mc,
+    )
+    conversation, _, _ = parse_chat_messages(messages, mc, content_format=content_format)
+    text = safe_apply_chat_template(
+        mc, tok, conversation, **chat_params.get_apply_chat_template_kwargs()
+    )
+    add_special = req.build_tok_params(mc).add_special_tokens
+    ids = tok(text, add_special_tokens=add_special)["input_ids"]
+    return {"ids": list(ids), "text": text, "messages": plain}
+
+
 def _completion(model_dir: str, body: dict[str, Any]) -> dict[str, Any]:
     tok = _tokenizer(model_dir)
     req = CompletionRequest(**body)
@@ -119,6 +160,8 @@ def main() -> int:
         try:
             if msg["endpoint"] == "/v1/chat/completions":
                 out = _chat(msg["model_dir"], msg["body"], msg.get("server", {}))
+            elif msg["endpoint"] == "/v1/responses":
+                out = _responses(msg["model_dir"], msg["body"], msg.get("server", {}))
             else:
                 out = _completion(msg["model_dir"], msg["body"])
         except Exception as exc:

@@ -34,6 +34,7 @@ WRITE_STALL = ErrorKind("write_stall", 499, "invalid_request_error")  # counted,
 DEADLINE = ErrorKind("deadline", 504, "server_error")
 UNAUTHORIZED = ErrorKind("unauthorized", 401, "authentication_error")
 FORBIDDEN = ErrorKind("admin_disabled", 403, "permission_error")
+READ_ONLY = ErrorKind("admin_read_only", 403, "permission_error")
 NO_WORKER = ErrorKind("no_worker", 503, "service_unavailable")
 OVERLOADED = ErrorKind("overloaded", 503, "service_unavailable")
 UPSTREAM = ErrorKind("upstream", 502, "server_error")

@@ -1,14 +1,15 @@
 """A lean pooled HTTP/1.1 client for the proxy's upstream calls (asyncio protocol + httptools).
 
 The proxy sends one POST per request to a known engine and passes the answer through, so it
-needs little of a general client: no redirects, cookies, proxies, TLS or decompression. What
-it needs is cheap: this client costs a fraction of aiohttp's CPU per request (see
-bench/http_client_bench.py), which is most of what a proxy adds under load.
+needs little of a general client: no redirects, cookies, proxies or decompression; TLS for
+https:// engines is the event loop's own (stdlib `ssl`). What it needs is cheap: this client
+costs a fraction of aiohttp's CPU per request (see bench/http_client_bench.py), which is most
+of what a proxy adds under load.
 
-- Keep-alive connections are pooled per (host, port), newest first; at most `limit` are open
-  (idle or busy) across all hosts; a caller over the limit waits for one to be released or
-  closes an idle one of another host. Idle connections older than `keepalive_s`, or that the
-  server closed, are not reused.
+- Keep-alive connections are pooled per (host, port, TLS or not), newest first; at most
+  `limit` are open (idle or busy) across all hosts; a caller over the limit waits for one to
+  be released or closes an idle one of another host. Idle connections older than
+  `keepalive_s`, or that the server closed, are not reused.
 - Failures: `UpstreamConnectError` (could not connect, or the connection broke or sent a
   malformed answer) and `UpstreamTimeout` (connect took longer than `connect_s`, not counting
   stalls of this process's own event loop when `stalls` is given, or the server sent nothing
@@ -20,6 +21,7 @@ bench/http_client_bench.py), which is most of what a proxy adds under load.
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -52,24 +54,27 @@ _HIGH_WATER = 1 << 16  # bytes buffered per response before reading pauses
 _SKIP_REQUEST_HEADERS = frozenset({"host", "content-length", "transfer-encoding", "connection"})
 
 Headers = Sequence[tuple[str, str]] | Mapping[str, str]
+Key = tuple[str, int, bool]  # host, port, TLS
+_DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
 @dataclass(frozen=True, slots=True)
 class _Target:
-    key: tuple[str, int]
+    key: Key
     host_header: str
     path: str
 
 
 def _target(url: str) -> _Target:
     parts = urlsplit(url)
-    if parts.scheme != "http" or not parts.hostname:
-        raise UpstreamConnectError(f"unsupported upstream URL {url!r} (http://host:port/...)")
-    port = parts.port or 80
+    default_port = _DEFAULT_PORTS.get(parts.scheme)
+    if default_port is None or not parts.hostname:
+        raise UpstreamConnectError(f"unsupported upstream URL {url!r} (http(s)://host:port/...)")
     path = parts.path or "/"
     if parts.query:
         path += "?" + parts.query
-    return _Target((parts.hostname, port), parts.netloc, path)
+    key = (parts.hostname, parts.port or default_port, parts.scheme == "https")
+    return _Target(key, parts.netloc, path)
 
 
 class UpstreamResponse:
@@ -207,7 +212,7 @@ class UpstreamResponse:
 class _Connection(asyncio.Protocol):
     """One keep-alive connection; `response` is the answer being received, if any."""
 
-    def __init__(self, pool: Http1Pool, key: tuple[str, int]) -> None:
+    def __init__(self, pool: Http1Pool, key: Key) -> None:
         self.pool = pool
         self.key = key
         self.loop = pool.loop
@@ -349,7 +354,11 @@ class _Connection(asyncio.Protocol):
 
 
 class Http1Pool:
-    """Pooled keep-alive HTTP/1.1 connections to any number of http:// hosts."""
+    """Pooled keep-alive HTTP/1.1 connections to any number of http:// and https:// hosts.
+
+    `tls` verifies https:// hosts (default: the system's roots); `server_name`, if given, is
+    the name checked in their certificates instead of the URL's host (engines addressed by IP).
+    """
 
     def __init__(
         self,
@@ -360,6 +369,8 @@ class Http1Pool:
         keepalive_s: float = 60.0,
         stalls: LoopStalls | None = None,
         wait_s: float = 5.0,
+        tls: ssl.SSLContext | None = None,
+        server_name: str | None = None,
     ) -> None:
         if limit < 1:
             raise ValueError("limit must be >= 1")
@@ -370,7 +381,9 @@ class Http1Pool:
         self._keepalive_s = keepalive_s
         self._wait_s = wait_s  # longest wait for a free connection slot
         self._stalls = stalls  # the connect timeout does not count this loop's own stalls
-        self._idle: dict[tuple[str, int], list[_Connection]] = {}
+        self._tls = tls
+        self._server_name = server_name
+        self._idle: dict[Key, list[_Connection]] = {}
         self._open = 0  # connections counted against the limit (connecting, busy or idle)
         self._waiters: list[asyncio.Future[None]] = []
         self._targets: dict[str, _Target] = {}
@@ -409,7 +422,7 @@ class Http1Pool:
 
     # -- the pool -----------------------------------------------------------------------------
 
-    async def _acquire(self, key: tuple[str, int]) -> _Connection:
+    async def _acquire(self, key: Key) -> _Connection:
         while True:
             if self._closed:
                 raise UpstreamConnectError("the upstream client is closed")
@@ -434,12 +447,25 @@ class Http1Pool:
                     self._waiters.remove(waiter)
         return await self._connect(key)
 
-    async def _connect(self, key: tuple[str, int]) -> _Connection:
+    def _tls_context(self) -> ssl.SSLContext:
+        if self._tls is None:
+            self._tls = ssl.create_default_context()
+        return self._tls
+
+    async def _connect(self, key: Key) -> _Connection:
         self._open += 1
         conn: _Connection | None = None
+        host, port, tls = key
+        context = self._tls_context() if tls else None
         try:
             _, made = await wait_own_time(
-                self.loop.create_connection(lambda: _Connection(self, key), key[0], key[1]),
+                self.loop.create_connection(
+                    lambda: _Connection(self, key),
+                    host,
+                    port,
+                    ssl=context,
+                    server_hostname=(self._server_name or host) if tls else None,
+                ),
                 self._connect_s,
                 self._stalls,
             )

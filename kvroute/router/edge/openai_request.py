@@ -180,10 +180,15 @@ def _bad(param: str, what: str) -> RouterError:
     return RouterError(INVALID_FIELD, f"'{param}' {what}", param=param)
 
 
-def skips_prefix_cache(req: ClientRequest) -> bool:
+def skips_prefix_cache(req: ClientRequest, embeddings_use_cache: bool = False) -> bool:
     """Requests vLLM serves without reading the prefix cache: `prompt_logprobs` (it must
-    compute every prompt position) and pooling (embeddings). They reuse nothing anywhere."""
-    return req.endpoint == EMBEDDINGS or req.body.get("prompt_logprobs") is not None
+    compute every prompt position) and embeddings, unless the model's embeddings use the cache
+    (vLLM enables prefix caching for a decoder embedder with last-token pooling, and its embed
+    requests read it; with mean/CLS pooling or bidirectional attention it is off). They reuse
+    nothing anywhere."""
+    if req.endpoint == EMBEDDINGS:
+        return not embeddings_use_cache
+    return req.body.get("prompt_logprobs") is not None
 
 
 _USAGE_ON = b',"stream_options":{"include_usage":true,"continuous_usage_stats":false}}'

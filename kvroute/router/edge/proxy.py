@@ -53,6 +53,7 @@ from kvroute.router.edge.pd_wire import (
     prefill_body,
     splittable,
 )
+from kvroute.router.edge.prefill_watch import ResponsesPrefillWatch
 from kvroute.router.edge.retry import Backoff, RetryBudget, retryable_status
 from kvroute.router.edge.sse import SseFilter, Usage, usage_from_json
 from kvroute.router.edge.trust import TrustedPeers, peer_of
@@ -490,9 +491,11 @@ class Proxy:
         if worker.url_shared:
             headers = [*headers, ("x-data-parallel-rank", str(worker.spec.dp_rank))]
         dispatched = time.perf_counter()
-        # of the whole prompt (`_complete` rescores a partial one)
-        predicted = cand.reuse if half is None else half.predicted
+        # of the whole prompt (`_complete` rescores a partial one), lower tiers included
+        predicted = cand.predicted_cached if half is None else half.predicted
         body = out.body if half is None else half.body
+        # a Responses stream's first byte precedes its prefill: watch for the end instead
+        watch = ResponsesPrefillWatch() if req.stream and out.path == RESPONSES else None
         resp: UpstreamResponse | None = None
         verdict = False
         try:
@@ -517,11 +520,9 @@ class Proxy:
                         if prompt.partial is not None:
                             predicted = await self._complete(worker, cand, prompt, record)
                         first = await resp.next_chunk()
-                        worker.load.steps.observe(self._clock())
-                        if self._prefill_rate is not None and first and half is None:
-                            self._prefill_rate.observe(
-                                cand.queued_tokens + cand.uncached, time.perf_counter() - dispatched
-                            )
+                        if watch is None or watch.feed(first):
+                            # a decode's first byte ends no prefill of its own
+                            self._prefill_ended(worker, cand, dispatched, rate=half is None)
                     else:
                         first = await resp.read()
             except UpstreamPoolTimeout as exc:
@@ -542,10 +543,17 @@ class Proxy:
                 metrics.child(metrics.upstream, worker.name, "timeout").inc()
                 return self._past_deadline()
             # From here on the client gets this worker's answer: no more retries.
+            first_byte_s = time.perf_counter() - dispatched
             breaker.record_success()
             verdict = True
-            ticket.prefill_done()
-            metrics.child(metrics.ttfb, worker.name).observe(time.perf_counter() - dispatched)
+            prefill_to_come = None
+            if watch is None or watch.done:
+                ticket.prefill_done()
+            else:
+                ended = partial(self._prefill_ended, worker, cand, dispatched, ticket)
+                prefill_to_come = (watch, ended)
+
+            metrics.child(metrics.ttfb, worker.name).observe(first_byte_s)
             metrics.child(metrics.upstream, worker.name, f"{resp.status // 100}xx").inc()
             record.status = resp.status
             out_headers = _resp_headers(resp)
@@ -557,8 +565,9 @@ class Proxy:
             tap = AnswerTap() if out.keep_answer_for is not None else None
             if req.stream and resp.status == 200:
                 usage = await self._stream(
-                    resp, first, out_headers, out, send, record, worker.load.steps, tap
-                )
+                    resp, first, out_headers, out, send, record, worker.load.steps, tap,
+                    prefill_to_come,
+                )  # fmt: skip
             else:
                 resp.release()
                 await send(
@@ -570,10 +579,12 @@ class Proxy:
                 await send({"type": "http.response.body", "body": first})
             if half is not None:
                 assert record.pd is not None
-                first_byte_s = time.perf_counter() - dispatched
                 record.pd.decode.append(PhaseAttempt(worker.name, str(resp.status), first_byte_s))
-                metrics.child(metrics.pd_phase_seconds, "decode_first_byte").observe(first_byte_s)
-                if resp.status == 200:
+                if req.stream and resp.status == 200:
+                    # a whole (non-streamed) answer's time is its decode's, not the pull's
+                    metrics.child(metrics.pd_phase_seconds, "decode_first_byte").observe(
+                        first_byte_s
+                    )
                     self._routing.decode_started(cand.uncached, first_byte_s)
             if resp.status == 200:
                 verify_as = worker if half is None else half.prefill
@@ -618,7 +629,7 @@ class Proxy:
             return prefilled
         route = self._routing.resolve_model(req)
         body = decode_body(out.body, prefilled)
-        half = _DecodeHalf(body, worker, cand.reuse)
+        half = _DecodeHalf(body, worker, cand.predicted_cached)
         tried: list[str] = []
         result: int | _Failure = _Failure("no_decode", None)
         for _ in range(self._cfg.retry.max_attempts):
@@ -725,17 +736,39 @@ class Proxy:
                 breaker.release()
             self._registry.request_finished(worker)
 
+    def _prefill_ended(
+        self,
+        worker: Worker,
+        cand: Candidate,
+        dispatched: float,
+        ticket: LoadTicket | None = None,
+        rate: bool = True,
+    ) -> None:
+        """A stream's prefill just ended (its first output arrived): a step of the worker's
+        clock, a sample of its prefill rate (unless not `rate`), and `ticket`'s queued
+        prefill released."""
+        if ticket is not None:
+            ticket.prefill_done()
+        worker.load.steps.observe(self._clock())
+        if self._prefill_rate is not None and rate:
+            self._prefill_rate.observe(
+                cand.queued_tokens + cand.uncached, time.perf_counter() - dispatched
+            )
+
     async def _complete(
         self, worker: Worker, cand: Candidate, prompt: Prompt, record: DecisionRecord
     ) -> int | None:
         """Finish a partial prompt while the engine prefills it: the whole ids, the chosen
         worker's expectation, and its prediction for the whole prompt (returned: what the
         verifier and the response header report; the decision log's predicted tokens too).
-        The candidates keep the picture the policy decided on. On failure: `cand.reuse`."""
+        The candidates keep the picture the policy decided on. On failure: the candidate's."""
         try:
             if not await self._routing.complete(prompt):
-                return cand.reuse
+                return cand.predicted_cached
             predicted = self._routing.reuse(prompt).get(worker.name)
+            tier = (prompt.tiers or {}).get(worker.name)
+            if predicted is not None and tier is not None:
+                predicted += tier.total
             if record.decision.chosen is cand:
                 record.decision.predicted_reuse = predicted or 0
             self._routing.expect(worker, prompt)
@@ -743,7 +776,7 @@ class Proxy:
         except Exception as exc:  # the request is already with the engine: never fail it here
             self._ratelog.error("complete", "finishing a partial prompt failed: %r", exc)
             self._metrics.child(self._metrics.errors, "tokenize").inc()
-            return cand.reuse
+            return cand.predicted_cached
 
     async def _stream(
         self,
@@ -755,9 +788,11 @@ class Proxy:
         record: DecisionRecord,
         steps: StepClock,
         tap: AnswerTap | None = None,
+        prefill: tuple[ResponsesPrefillWatch, Callable[[], None]] | None = None,
     ) -> Usage | None:
         """Relay the stream; each chunk's arrival also ticks the worker's step clock (an
-        engine step's end sends every running stream a chunk)."""
+        engine step's end sends every running stream a chunk). `prefill`: a watch for the
+        prefill's end still to come, and what to call then."""
         sse = SseFilter(strip_usage_chunk=outgoing.inject_usage)
         chat = ChatStream() if outgoing.as_chat else None
         clock = self._clock
@@ -777,6 +812,10 @@ class Proxy:
                     await send({"type": "http.response.body", "body": out, "more_body": True})
                 out = b""
                 chunk = await resp.next_chunk()
+                if prefill is not None and prefill[0].feed(chunk):
+                    prefill[1]()
+                    prefill = None
+                    continue  # the step was observed with the prefill's end
                 steps.observe(clock())
         except (UpstreamConnectError, UpstreamTimeout) as exc:
             self._metrics.child(self._metrics.errors, MID_STREAM.kind).inc()

@@ -8,18 +8,21 @@ understands: `UpstreamConnectError` (nothing was sent or the connection broke be
 response) and `UpstreamTimeout` (the engine went silent for longer than `read_idle_s`), each
 saying whether the request had been `sent`; `UpstreamPoolTimeout` when no pooled connection
 came free in time.
+Both verify https:// engines with one TLS context (`upstream_tls`: a CA bundle, and a name to
+check when engines are addressed by IP).
 Connect and total timeouts do not count stalls of the router's own event loop
 (kvroute/router/fleet/loop_stall.py): a worker is not charged for the router's slowness.
 """
 
 from __future__ import annotations
 
+import ssl
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import aiohttp
 
-from kvroute.router.config import LimitsConfig, TimeoutsConfig
+from kvroute.router.config import LimitsConfig, TimeoutsConfig, UpstreamTlsConfig
 from kvroute.router.edge.http1 import (
     Http1Pool,
     UpstreamConnectError,
@@ -45,13 +48,27 @@ __all__ = [
 _ENGINE_IDLE_S = 4.0
 
 
+def tls_context(cfg: UpstreamTlsConfig) -> ssl.SSLContext:
+    """A client context that verifies https:// engines against `cfg.ca_file` (or the system's
+    roots); raises OSError or ssl.SSLError if the bundle cannot be loaded."""
+    return ssl.create_default_context(cafile=cfg.ca_file)
+
+
 class Upstream:
     def __init__(
-        self, timeouts: TimeoutsConfig, limits: LimitsConfig, pool_wait_s: float = 5.0
+        self,
+        timeouts: TimeoutsConfig,
+        limits: LimitsConfig,
+        pool_wait_s: float = 5.0,
+        tls: UpstreamTlsConfig | None = None,
     ) -> None:
         self._timeouts = timeouts
         self._limits = limits
         self._pool_wait_s = pool_wait_s
+        self._tls_cfg = tls or UpstreamTlsConfig()
+        # one context for the pool and the probes' session, so both trust the same roots
+        self._tls = tls_context(self._tls_cfg)
+        self._server_name = self._tls_cfg.server_name
         self._session: aiohttp.ClientSession | None = None
         self._pool: Http1Pool | None = None
         self.stalls = LoopStalls()  # the router's own stalls, kept out of worker timeouts
@@ -64,12 +81,15 @@ class Upstream:
             keepalive_s=_ENGINE_IDLE_S,
             stalls=self.stalls,
             wait_s=self._pool_wait_s,
+            tls=self._tls,
+            server_name=self._server_name,
         )
         connector = aiohttp.TCPConnector(
             limit=self._limits.upstream_connections,
             limit_per_host=0,
             keepalive_timeout=_ENGINE_IDLE_S,
             ttl_dns_cache=300,
+            ssl=self._tls,
         )
         self._session = aiohttp.ClientSession(
             connector=connector,
@@ -116,12 +136,17 @@ class Upstream:
         except aiohttp.ClientError as exc:
             raise UpstreamConnectError(f"probe {url}: {type(exc).__name__}: {exc}") from exc
 
+    def _server_hostname(self, url: str) -> str | None:
+        return self._server_name if url.startswith("https:") else None
+
     async def _get(self, url: str) -> tuple[int, bytes]:
-        async with self.session.get(url) as resp:
+        async with self.session.get(url, server_hostname=self._server_hostname(url)) as resp:
             return resp.status, await resp.read()
 
     async def _post(self, url: str, payload: Any) -> tuple[int, bytes]:
-        async with self.session.post(url, json=payload) as resp:
+        async with self.session.post(
+            url, json=payload, server_hostname=self._server_hostname(url)
+        ) as resp:
             return resp.status, await resp.read()
 
     async def post_json(self, url: str, payload: Any, timeout_s: float) -> tuple[int, bytes]:

@@ -1,13 +1,14 @@
 """The admin API: explain a routing decision, show the fleet, change membership.
 
-All endpoints need `Authorization: Bearer <admin.token>`; without a configured token the admin
-API is disabled (403). Nothing here changes routing state except the membership endpoints
-(add, remove, drain, undrain, resync).
+All endpoints need `Authorization: Bearer <token>`: the full admin token, or the read-only one
+for the endpoints that change nothing (kvroute/router/ops/admin_auth.py). Without any
+configured token the admin API is disabled (403). Nothing here changes routing state except the
+membership endpoints (add, remove, drain, undrain, resync), which need the full token.
 """
 
 from __future__ import annotations
 
-import hmac
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -16,34 +17,33 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from kvroute.ratelog import RateLimitedLog
 from kvroute.router.config_load import ConfigError, worker_from_dict
 from kvroute.router.edge.body import read_bounded
-from kvroute.router.edge.errors import (
-    FORBIDDEN,
-    INVALID_FIELD,
-    NOT_FOUND,
-    UNAUTHORIZED,
-    RouterError,
-    error_response,
-)
+from kvroute.router.edge.errors import INVALID_FIELD, NOT_FOUND, RouterError, error_response
 from kvroute.router.edge.json_input import decode_json
 from kvroute.router.edge.openai_request import CHAT, COMPLETIONS, RESPONSES, parse_request
 from kvroute.router.fleet.event_subscriptions import EventSubscriptions
 from kvroute.router.fleet.verify import Verifier
 from kvroute.router.fleet.workers import PREFILL, Worker, WorkerRegistry
+from kvroute.router.ops.admin_auth import AdminTokens, Scope
 from kvroute.router.ops.decisions import DecisionLog, candidate_json
 from kvroute.router.ops.metrics import RouterMetrics
 from kvroute.router.routing.index_view import IndexView, ReuseExplanation
 from kvroute.router.routing.pipeline import Routing
 from kvroute.router.routing.records import Candidate
 
+log = logging.getLogger(__name__)
+
 _MAX_ADMIN_BODY = 16 * 1024 * 1024
+_REFUSED = (401, 403)  # statuses of refused credentials, logged (rate-limited)
+_ONE = "/admin/workers/{name:path}"
 
 
 class Admin:
     def __init__(
         self,
-        token: str | None,
+        tokens: AdminTokens,
         registry: WorkerRegistry,
         routing: Routing,
         index: IndexView,
@@ -53,7 +53,7 @@ class Admin:
         metrics: RouterMetrics,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self._token = token.encode() if token else None
+        self._tokens = tokens
         self._registry = registry
         self._routing = routing
         self._index = index
@@ -62,39 +62,50 @@ class Admin:
         self._decisions = decisions
         self._metrics = metrics
         self._clock = clock
+        self._ratelog = RateLimitedLog(log, interval_s=10.0)
 
     def routes(self) -> list[Route]:
         return [
-            Route("/admin/score", self._guard(self.score), methods=["POST"]),
-            Route("/admin/workers", self._guard(self.list_workers), methods=["GET"]),
-            Route("/admin/workers", self._guard(self.add_worker), methods=["POST"]),
-            Route("/admin/workers/{name}", self._guard(self.get_worker), methods=["GET"]),
-            Route("/admin/workers/{name}", self._guard(self.remove_worker), methods=["DELETE"]),
-            Route("/admin/workers/{name}/drain", self._guard(self.drain), methods=["POST"]),
-            Route("/admin/workers/{name}/undrain", self._guard(self.undrain), methods=["POST"]),
-            Route("/admin/workers/{name}/resync", self._guard(self.resync), methods=["POST"]),
-            Route("/admin/decisions", self._guard(self.decisions), methods=["GET"]),
+            Route("/admin/score", self._read(self.score), methods=["POST"]),
+            Route("/admin/workers", self._read(self.list_workers), methods=["GET"]),
+            Route("/admin/workers", self._write(self.add_worker), methods=["POST"]),
+            # Names may hold "/" (Kubernetes workers are namespace/pod), sent as is or as %2F.
+            # The action routes come first; the path converter is greedy, so
+            # ".../a/drain/drain" drains the worker "a/drain".
+            Route(f"{_ONE}/drain", self._write(self.drain), methods=["POST"]),
+            Route(f"{_ONE}/undrain", self._write(self.undrain), methods=["POST"]),
+            Route(f"{_ONE}/resync", self._write(self.resync), methods=["POST"]),
+            Route(_ONE, self._read(self.get_worker), methods=["GET"]),
+            Route(_ONE, self._write(self.remove_worker), methods=["DELETE"]),
+            Route("/admin/decisions", self._read(self.decisions), methods=["GET"]),
         ]
 
-    def _guard(self, handler: Callable[[Request], Any]) -> Callable[[Request], Any]:
+    def _read(self, handler: Callable[[Request], Any]) -> Callable[[Request], Any]:
+        return self._guard(handler, Scope.READ)
+
+    def _write(self, handler: Callable[[Request], Any]) -> Callable[[Request], Any]:
+        return self._guard(handler, Scope.WRITE)
+
+    def _guard(self, handler: Callable[[Request], Any], scope: Scope) -> Callable[[Request], Any]:
         async def guarded(request: Request) -> Response:
             try:
-                self._authorize(request)
+                self._tokens.authorize(request.headers.get("authorization", ""), scope)
                 result: Response = await handler(request)
                 return result
             except RouterError as exc:
                 self._metrics.errors.labels(exc.kind.kind).inc()
+                if exc.kind.status in _REFUSED:
+                    # the path may hold any text a caller sent: logged quoted, never the token
+                    self._ratelog.warning(
+                        exc.kind.kind,
+                        "admin %s %r refused: %s",
+                        request.method,
+                        request.url.path,
+                        exc.message,
+                    )
                 return error_response(exc)
 
         return guarded
-
-    def _authorize(self, request: Request) -> None:
-        if self._token is None:
-            raise RouterError(FORBIDDEN, "admin API disabled: set admin.token (--admin-token)")
-        header = request.headers.get("authorization", "")
-        scheme, _, given = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), self._token):
-            raise RouterError(UNAUTHORIZED, "missing or wrong admin bearer token")
 
     async def _json(self, request: Request) -> Any:
         raw = await read_bounded(request, _MAX_ADMIN_BODY)

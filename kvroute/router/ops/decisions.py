@@ -113,6 +113,14 @@ def candidate_json(c: Candidate) -> dict[str, Any]:
         "step_wait_s": round(c.step_wait_s, 6),
         "saturated": c.saturated,
         "affinity_tokens": c.affinity,
+        # the prompt's tokens by where the worker gets them: reused on GPU, loaded from its
+        # CPU or storage tier, prefilled (gpu is 0 without evidence)
+        "tier_tokens": {
+            "gpu": c.reuse or 0,
+            "cpu": c.cpu_tokens,
+            "storage": c.storage_tokens,
+            "prefill": c.uncached,
+        },
         # what the policy ranked by (est_ttft_s plus credits) and each term of it, seconds
         "cost_s": round(c.cost_s, 6),
         "terms": {name: round(v, 6) for name, v in c.terms.items()},

@@ -4,7 +4,9 @@
     kvroute inspect --router URL --messages conversation.json
 
 `--messages` takes a JSON file holding a list of chat messages or a whole OpenAI request body.
-The admin token comes from --token or $KVROUTE_ADMIN_TOKEN.
+The admin token comes from --token or --token-file, else from the variables the router itself
+reads (`token_from_env`): KVROUTE_ADMIN__READ_TOKEN(_FILE), then KVROUTE_ADMIN__TOKEN(_FILE).
+Scoring needs only the read-only token.
 """
 
 from __future__ import annotations
@@ -16,7 +18,14 @@ import os
 import sys
 import urllib.error
 import urllib.request
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
+
+from kvroute.router.config_load import env_name
+
+# The router's own admin settings, least privilege first (scoring needs only read access).
+_TOKEN_KEYS = ("admin.read_token", "admin.token")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -31,7 +40,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--model", help="model name (default: the router's only model)")
     p.add_argument("--user", help="session key (the OpenAI `user` field)")
     p.add_argument("--cache-salt", help="cache_salt of the request")
-    p.add_argument("--token", help="admin bearer token (default $KVROUTE_ADMIN_TOKEN)")
+    tok = p.add_mutually_exclusive_group()
+    tok.add_argument("--token", help="admin bearer token (default: from the environment)")
+    tok.add_argument("--token-file", help="file holding the admin bearer token")
     p.add_argument("--json", action="store_true", help="print the raw JSON answer")
     p.add_argument("--timeout", type=float, default=10.0)
     return p.parse_args(argv)
@@ -148,11 +159,36 @@ def render(answer: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _read_file(path: str) -> str:
+    try:
+        token = Path(path).read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InspectError(f"cannot read token file {path}: {exc}") from None
+    if not token:
+        raise InspectError(f"token file {path} is empty")
+    return token
+
+
+def token_from_env(env: Mapping[str, str]) -> str | None:
+    """The admin token from the same variables `kvroute serve` reads (config_load.env_name):
+    the read-only token, then the full one, each given as a value or as a file."""
+    for key in _TOKEN_KEYS:
+        value = env.get(env_name(key))
+        if value:
+            return value
+        path = env.get(env_name(key + "_file"))
+        if path:
+            return _read_file(path)
+    return None
+
+
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
-    token = args.token or os.environ.get("KVROUTE_ADMIN_TOKEN")
     base = args.router.rstrip("/")
     try:
+        token = args.token or (
+            _read_file(args.token_file) if args.token_file else token_from_env(os.environ)
+        )
         endpoint, body = build_body(args)
         answer = _call(f"{base}/admin/score?endpoint={endpoint}", token, body, args.timeout)
     except InspectError as exc:

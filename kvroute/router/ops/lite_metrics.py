@@ -10,7 +10,7 @@ Prometheus families at scrape time: the same names, labels, buckets and text for
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
@@ -43,7 +43,9 @@ class HistogramChild:
         self.sum += value
 
 
-class _Family(Collector):
+class LiteFamily(Collector):
+    """Label children of one family, kept as plain numbers and exported at scrape time."""
+
     def __init__(
         self, name: str, doc: str, labelnames: Sequence[str], registry: CollectorRegistry | None
     ) -> None:
@@ -66,8 +68,17 @@ class _Family(Collector):
     def _new(self) -> object:
         raise NotImplementedError
 
+    def remove_where(self, label: str, keep: Callable[[str], bool]) -> int:
+        """Drop every series whose `label` value `keep` rejects; returns how many went.
+        A child a caller still holds keeps counting but is no longer exported."""
+        at = self.labelnames.index(label)
+        gone = [key for key in self._children if not keep(key[at])]
+        for key in gone:
+            del self._children[key]
+        return len(gone)
 
-class LiteCounter(_Family):
+
+class LiteCounter(LiteFamily):
     """A counter family; `labels(...)` returns a cached child (no labels: use `inc`)."""
 
     def __init__(
@@ -101,7 +112,7 @@ class LiteCounter(_Family):
         yield family
 
 
-class LiteHistogram(_Family):
+class LiteHistogram(LiteFamily):
     """A histogram family with fixed buckets (`le` inclusive, +Inf added)."""
 
     def __init__(

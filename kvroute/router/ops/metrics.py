@@ -10,7 +10,7 @@ so the request path never touches those gauges.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Container, Iterator
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry
@@ -19,6 +19,7 @@ from prometheus_client.registry import Collector
 
 from kvroute.router.fleet.breaker import STATE_CODES
 from kvroute.router.ops.lite_metrics import LiteCounter as Counter
+from kvroute.router.ops.lite_metrics import LiteFamily
 from kvroute.router.ops.lite_metrics import LiteHistogram as Histogram
 
 if TYPE_CHECKING:
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
 _LATENCY = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _DECISION = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05)
 _TOKENS = (0, 16, 64, 256, 1024, 4096, 16384, 65536)
+WORKER = "worker"  # the label naming a worker
 
 
 class RouterMetrics:
@@ -193,6 +195,20 @@ class RouterMetrics:
         self.bad_input_logged = Counter(
             "kvroute_log_suppressed", "Log lines suppressed by rate limiting", registry=r
         )
+        # families labelled by worker: their series go when the worker does (pods renamed by
+        # each rollout would otherwise pile up as dead series)
+        self._per_worker: list[LiteFamily] = [
+            m for m in vars(self).values() if isinstance(m, LiteFamily) and WORKER in m.labelnames
+        ]
+
+    def forget_worker(self, name: str) -> int:
+        """Remove every series labelled `worker=name`; returns how many were removed."""
+        return sum(f.remove_where(WORKER, lambda w: w != name) for f in self._per_worker)
+
+    def keep_workers(self, names: Container[str]) -> int:
+        """Remove the series of workers not in `names` (those counted after their removal,
+        by a request or event still in flight then); returns how many were removed."""
+        return sum(f.remove_where(WORKER, lambda w: w in names) for f in self._per_worker)
 
     @staticmethod
     def child(metric: Any, *values: str) -> Any:

@@ -143,6 +143,7 @@ class LoadModel:
         stale = self._stale
         mean_prompt = self._mean_prompt()
         get = req.reuse.get
+        tiers = req.tiers or {}
         out: list[Candidate] = []
         append = out.append
         for worker in workers:
@@ -163,15 +164,19 @@ class LoadModel:
                 uncached = 0
             else:
                 uncached = n_tokens - r
+            tier = tiers.get(worker.name) if tiers else None
+            if tier is not None:  # loaded from a lower tier: not prefilled
+                uncached = max(0, uncached - tier.total)
             step_wait = load.steps.expected_wait(now, running > 0) if step_weight else 0.0
             saturated = (
                 queued * inv_rate > sat_queue
                 or running >= max_running
                 or (kv is not None and kv >= kv_sat)
             )
-            append(
-                Candidate(
-                    worker, r, uncached, running, queued, kv, 0.0, saturated, step_wait_s=step_wait
-                )
+            cand = Candidate(
+                worker, r, uncached, running, queued, kv, 0.0, saturated, step_wait_s=step_wait
             )
+            if tier is not None:
+                cand.cpu_tokens, cand.storage_tokens = tier.cpu, tier.storage
+            append(cand)
         return out

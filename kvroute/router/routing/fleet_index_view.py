@@ -1,16 +1,24 @@
-"""`IndexView` over the indexer's `FleetIndex`: namespaces, the clock for expectations, and
-statistics in the router's records. The indexer itself stays pure (no clock); this adapter
-owns time: expectations get an absolute expiry and are expired lazily on scoring."""
+"""`IndexView` over the indexer's `FleetIndex` and `TierIndex`: namespaces, the clock for
+expectations, and statistics in the router's records. The indexer itself stays pure (no
+clock); this adapter owns time: expectations get an absolute expiry and are expired lazily on
+scoring. Every batch and snapshot feeds both indexes: the GPU events the fleet index, the
+lower tiers' events (`tier_events`) the tier index, each tier bounded per worker by the same
+entry and pending caps as a worker's GPU view."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
-from kvroute.indexer import FleetIndex, Namespace, content_keys
+from kvroute.indexer import FleetIndex, Namespace, TierIndex, content_keys
 from kvroute.proto import events_pb2
 from kvroute.proto.namespace import salt_namespace
-from kvroute.router.routing.index_view import GroupReuse, IndexStats, ReuseExplanation
+from kvroute.router.routing.index_view import (
+    GroupReuse,
+    IndexStats,
+    ReuseExplanation,
+    TierReuse,
+)
 
 _EXPIRE_EVERY_S = 0.1
 _DEFAULT_NS = Namespace()
@@ -37,8 +45,21 @@ class FleetIndexView:
             max_entries_per_worker=max_entries_per_worker,
             max_pending_per_worker=max_pending_per_worker,
         )
+        self.tier_index = TierIndex(
+            hash_unit,
+            max_entries_per_tier=max_entries_per_worker,
+            max_pending_per_tier=max_pending_per_worker,
+        )
+        # bumped by every call that changes a worker's view: a snapshot applied in steps
+        # reaches the tiers only if nothing changed the worker meanwhile
+        self._epochs: dict[str, int] = {}
         self._clock = clock
         self._last_expire = float("-inf")
+
+    def _bump(self, worker: str) -> int:
+        epoch = self._epochs.get(worker, 0) + 1
+        self._epochs[worker] = epoch
+        return epoch
 
     def _expire(self) -> None:
         now = self._clock()
@@ -110,22 +131,65 @@ class FleetIndexView:
             keys = self.prompt_keys(token_ids, lora_name, cache_salt)
         self.index.expect_keys(worker, keys, len(token_ids), self._clock() + ttl_s, junction)
 
+    def tiers(
+        self,
+        token_ids: Sequence[int],
+        gpu: Mapping[str, int | None],
+        lora_name: str = "",
+        cache_salt: str = "",
+        keys: Sequence[int] | None = None,
+    ) -> Mapping[str, TierReuse]:
+        tiers = self.tier_index
+        workers = tiers.workers()
+        if not workers:
+            return {}
+        if keys is None:
+            keys = self.prompt_keys(token_ids, lora_name, cache_salt)
+        n_tokens = len(token_ids)
+        out: dict[str, TierReuse] = {}
+        known = set(self.index.workers())
+        for worker in workers:
+            hit = gpu.get(worker)
+            if hit is None or worker not in known:
+                continue  # no GPU evidence: nothing to start a lower-tier lookup from
+            split = tiers.split(worker, self.index.layout(worker), keys, n_tokens, hit)
+            if split.cpu or split.storage:
+                out[worker] = TierReuse(split.cpu, split.storage)
+        return out
+
     def apply(self, worker: str, batch: events_pb2.KvEventBatch) -> None:
+        self._bump(worker)
         self.index.apply(worker, batch)
+        if batch.tier_events or self.tier_index.knows(worker):
+            self.tier_index.apply(worker, batch)
 
     def apply_snapshot(self, worker: str, snapshot: events_pb2.Snapshot) -> None:
+        self._bump(worker)
         self.index.apply_snapshot(worker, snapshot)
+        self.tier_index.apply_snapshot(worker, snapshot)
 
     def apply_snapshot_steps(
         self, worker: str, snapshot: events_pb2.Snapshot, blocks_per_step: int
     ) -> Iterator[None]:
-        return self.index.apply_snapshot_steps(worker, snapshot, blocks_per_step)
+        epoch = self._bump(worker)
+        yield from self.index.apply_snapshot_steps(worker, snapshot, blocks_per_step)
+        # the lower tiers at the end, at once (each is bounded); not if a later call won
+        if self._epochs.get(worker) == epoch:
+            self.tier_index.apply_snapshot(worker, snapshot)
 
     def invalidate(self, worker: str) -> None:
+        self._bump(worker)
         self.index.invalidate(worker)
+        self.tier_index.invalidate(worker)
 
     def remove_worker(self, worker: str) -> None:
+        self._epochs.pop(worker, None)
         self.index.remove_worker(worker)
+        self.tier_index.remove_worker(worker)
+
+    def tier_blocks(self, worker: str) -> dict[int, int]:
+        """Tier -> blocks with a known position the worker holds there (lower tiers only)."""
+        return self.tier_index.blocks(worker)
 
     def set_alignment(self, worker: str, alignment: int | None) -> None:
         self.index.set_alignment(worker, alignment)

@@ -49,6 +49,19 @@ class ReuseExplanation:
 
 
 @dataclass(frozen=True, slots=True)
+class TierReuse:
+    """Prompt tokens a worker restores beyond its GPU hit by loading them from a lower tier
+    (docs/reference/vllm-kv-events.md section 10.4): `cpu` first, then `storage` more."""
+
+    cpu: int = 0
+    storage: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.cpu + self.storage
+
+
+@dataclass(frozen=True, slots=True)
 class IndexStats:
     valid: bool
     last_sequence: int | None
@@ -113,6 +126,19 @@ class IndexView(Protocol):
         """Credit `worker` with the prompt for `ttl_s` seconds (until its events arrive);
         `junction` > 0: its full attention held that many prompt tokens beyond the reuse, so
         vLLM will save sliding-window / Mamba state there as well."""
+        ...
+
+    def tiers(
+        self,
+        token_ids: Sequence[int],
+        gpu: Mapping[str, int | None],
+        lora_name: str = "",
+        cache_salt: str = "",
+        keys: Sequence[int] | None = None,
+    ) -> Mapping[str, TierReuse]:
+        """For each worker with a GPU answer in `gpu` (what `score` or `reach` gave), the
+        prompt tokens its CPU and storage tiers add beyond it; workers whose lower tiers add
+        nothing are absent (so a fleet without offloading gets an empty map)."""
         ...
 
     def apply(self, worker: str, batch: events_pb2.KvEventBatch) -> None: ...

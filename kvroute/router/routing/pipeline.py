@@ -21,7 +21,7 @@ from kvroute.router.edge.openai_request import CHAT, ClientRequest, skips_prefix
 from kvroute.router.fleet.workers import BOTH, DECODE, PREFILL, ModelRoute, Worker, WorkerRegistry
 from kvroute.router.ops.metrics import RouterMetrics
 from kvroute.router.routing.decode_choice import DecodeChoice, choose_decode
-from kvroute.router.routing.index_view import IndexView
+from kvroute.router.routing.index_view import IndexView, TierReuse
 from kvroute.router.routing.link_rate import LinkRate
 from kvroute.router.routing.policy import (
     FULL_ATTENTION_ONLY,
@@ -100,6 +100,8 @@ class Prompt:
     keys: Sequence[int] | None = None  # the index's keys for it, computed once (`Routing.keys`)
     # full-attention coverage of hybrid workers, found while scoring (`Routing.reuse`)
     coverage: Mapping[str, int] | None = None
+    # tokens each worker's lower tiers add beyond its reuse, found while scoring
+    tiers: Mapping[str, TierReuse] | None = None
     # set while token_ids are only the prompt's start (`Routing.complete` encodes the rest);
     # n_tokens is then an estimate
     partial: TokenizedLike | None = None
@@ -269,7 +271,8 @@ class Routing:
             return Prompt(None, "none", estimate, route.lora_name, req.cache_salt)
         self._metrics.child(self._metrics.token_source, got.source).inc()
         ids = got.token_ids
-        cacheable = not skips_prefix_cache(req)
+        spec = self._models.get(route.base)
+        cacheable = not skips_prefix_cache(req, spec is not None and spec.embeddings_use_cache)
         pending = got.pending
         if pending is not None:
             n = pending.estimated_tokens
@@ -286,7 +289,7 @@ class Routing:
         if prompt.partial is None:
             return True
         whole = await self._tokenizers.finish(prompt.partial)
-        prompt.partial = prompt.keys = prompt.coverage = None
+        prompt.partial = prompt.keys = prompt.coverage = prompt.tiers = None
         if whole is None:
             prompt.token_ids = None
             return False
@@ -341,7 +344,21 @@ class Routing:
             scores = {name: (None if name in down else v) for name, v in scores.items()}
             if prompt.coverage:
                 prompt.coverage = {n: v for n, v in prompt.coverage.items() if n not in down}
+        prompt.tiers = self._tiers(prompt, scores)
         return scores
+
+    def _tiers(self, prompt: Prompt, scores: _Scores) -> Mapping[str, TierReuse] | None:
+        """What the workers' lower tiers add beyond `scores` (None: nothing anywhere)."""
+        assert prompt.token_ids is not None
+        try:
+            found = self.index.tiers(
+                prompt.token_ids, scores, prompt.lora_name, prompt.cache_salt, self.keys(prompt)
+            )
+        except Exception as exc:  # an index bug must not fail requests: GPU reuse only
+            self._ratelog.error("tiers", "lower-tier lookup failed, using GPU reuse only: %r", exc)
+            self._metrics.child(self._metrics.errors, "index").inc()
+            return None
+        return found or None
 
     def _reach(self, prompt: Prompt, keys: Sequence[int] | None) -> _Scores:
         """Hybrid-correct reuse; the full-attention coverage goes on the prompt."""
@@ -404,7 +421,7 @@ class Routing:
                     own_from = self._sharing.own_from(keys, _owner(key))
                 except Exception as exc:  # route as if the prompt were nobody's history
                     self._sharing_failed(exc)
-        return RouteInput(prompt.n_tokens, reuse, key, prompt.coverage, own_from)
+        return RouteInput(prompt.n_tokens, reuse, key, prompt.coverage, own_from, prompt.tiers)
 
     def _sharing_failed(self, exc: Exception) -> None:
         self._ratelog.error("sharing", "prefix sharing bookkeeping failed: %r", exc)

@@ -78,7 +78,7 @@ class Policy:
             return Decision(self.name, None, NO_WORKER, "no eligible worker", [], n, None, 0)
         chosen, reason, detail = self.pick(cands, req)
         return Decision(
-            self.name, chosen, reason, detail, cands, n, req.session_key, chosen.reuse or 0
+            self.name, chosen, reason, detail, cands, n, req.session_key, _cached(chosen)
         )
 
     def pick(self, cands: list[Candidate], req: RouteInput) -> tuple[Candidate, str, str]:
@@ -86,6 +86,18 @@ class Policy:
 
     def forget_worker(self, name: str) -> None:
         """A worker left the fleet: drop whatever the policy keeps about it (default: none)."""
+
+
+def _cached(c: Candidate) -> int:
+    """Prompt tokens the candidate need not prefill: GPU reuse plus lower-tier loads."""
+    return (c.reuse or 0) + c.cpu_tokens + c.storage_tokens
+
+
+def _tier_note(c: Candidate) -> str:
+    """The lower-tier part of a decision's text (empty without one)."""
+    if not (c.cpu_tokens or c.storage_tokens):
+        return ""
+    return f", loading {c.cpu_tokens} from CPU and {c.storage_tokens} from storage"
 
 
 class _Rotation:
@@ -153,7 +165,9 @@ class TTFTPolicy(Policy):
 
     def pick(self, cands: list[Candidate], req: RouteInput) -> tuple[Candidate, str, str]:
         best_reuse = max((c.reuse or 0 for c in cands), default=0)
-        if best_reuse <= 0 and not any(c.affinity for c in cands):
+        # lower tiers count as evidence: a prompt held only in CPU memory is not cold
+        best_cached = max(best_reuse, max((_cached(c) for c in cands), default=0))
+        if best_cached <= 0 and not any(c.affinity for c in cands):
             return self._cold(cands, req)
 
         def key(c: Candidate) -> tuple[float, int, int, str]:
@@ -180,13 +194,13 @@ class TTFTPolicy(Policy):
                 f"but its full-attention blocks hold {best.affinity} more: serving it there "
                 "stores the state that later requests sharing them reuse",
             )
-        if best_reuse <= 0:
+        if best_cached <= 0:
             return best, LEAST_LOAD, "nothing reusable; lowest estimated TTFT"
         return (
             best,
             CACHE,
             f"lowest est TTFT {best.est_ttft_s:.3f}s reusing {best.reuse or 0} of "
-            f"{req.n_tokens} tokens (fleet best reuse {best_reuse})",
+            f"{req.n_tokens} tokens{_tier_note(best)} (fleet best reuse {best_reuse})",
         )
 
     def _cold(self, cands: list[Candidate], req: RouteInput) -> tuple[Candidate, str, str]:

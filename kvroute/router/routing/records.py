@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from kvroute.router.fleet.workers import Worker
+from kvroute.router.routing.index_view import TierReuse
 
 
 @dataclass(slots=True)
@@ -26,6 +27,10 @@ class Candidate:
     # fleet's best reuse (`kvroute.router.routing.terms.junction`)
     affinity: int = 0
     step_wait_s: float = 0.0  # expected wait for the worker's step in flight (unweighted)
+    # prompt tokens beyond `reuse` the worker loads from its CPU / storage tier (not in
+    # `uncached`; priced by `kvroute.router.routing.terms.tier_load`)
+    cpu_tokens: int = 0
+    storage_tokens: int = 0
     # what the policy ranks by: est_ttft_s plus the credits (the junction credit)
     cost_s: float = 0.0
     # the priced terms' names (shared by a decision's candidates) and values in seconds,
@@ -36,6 +41,14 @@ class Candidate:
     @property
     def name(self) -> str:
         return self.worker.name
+
+    @property
+    def predicted_cached(self) -> int | None:
+        """What the engine should report as cached: the GPU reuse plus the tokens loaded from
+        lower tiers (vLLM counts both); None without evidence."""
+        if self.reuse is None:
+            return None
+        return self.reuse + self.cpu_tokens + self.storage_tokens
 
     @property
     def terms(self) -> dict[str, float]:
@@ -68,3 +81,6 @@ class RouteInput:
     # where the prompt becomes its conversation's own history
     # (`kvroute.router.routing.prefix_sharing`; None: nothing of it known to be its own)
     own_from: int | None = None
+    # per worker, the tokens its lower tiers add beyond its reuse (absent: none); see
+    # `kvroute.router.routing.terms.tier_load`
+    tiers: Mapping[str, TierReuse] | None = None

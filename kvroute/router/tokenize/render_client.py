@@ -5,7 +5,8 @@ vLLM 0.33 answers `POST /v1/chat/completions/render` (and `/v1/responses/render`
 `token_ids`. These routes exist only when the engine runs with `--enable-scale-out` (or is a
 `vllm launch render` server); otherwise they answer 403 (or 404 on older versions). Then the
 client falls back to `POST /tokenize`, which applies the same chat template but knows fewer
-request fields: a chat request that uses `documents` or `reasoning_effort` gets no ids that way.
+request fields: a chat request that uses `documents` or `reasoning_effort` gets no ids that way;
+a Responses request is sent as the chat conversation vLLM renders for it.
 Which workers lack the render routes is remembered (bounded) so they are not asked twice.
 
 Every failure (no worker, timeout, connection error, non-200, malformed answer) gives None and a
@@ -21,6 +22,10 @@ from typing import Any, Protocol
 
 import aiohttp
 import msgspec
+
+from kvroute.router.tokenize.chat_request import NotExact
+from kvroute.router.tokenize.errors import TokenizeError
+from kvroute.router.tokenize.responses_request import responses_chat_body
 
 _RENDER_PATHS = {
     "/v1/chat/completions": "/v1/chat/completions/render",
@@ -160,6 +165,15 @@ def _tokenize_payload(endpoint: str, body: Mapping[str, Any]) -> dict[str, Any] 
         if body.get("documents") is not None or body.get("reasoning_effort") is not None:
             return "tokenize_fallback_unsupported"
         return {k: body[k] for k in _TOKENIZE_CHAT_FIELDS if k in body}
+    if endpoint == "/v1/responses":
+        # the chat conversation vLLM renders for it, with the Responses tokenizer settings
+        try:
+            chat = responses_chat_body(body)
+        except (NotExact, TokenizeError):
+            return "tokenize_fallback_unsupported"
+        if "model" in body:
+            chat["model"] = body["model"]
+        return chat
     if endpoint in ("/v1/completions", "/v1/embeddings"):
         prompt = body.get("prompt" if endpoint == "/v1/completions" else "input")
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):

@@ -22,6 +22,7 @@ from kvroute.router.tokenize.metrics import TokenizeMetrics
 from kvroute.router.tokenize.prefix_cache import Lookup, PrefixCache
 from kvroute.router.tokenize.render_client import AiohttpPoster, JsonPoster, RenderClient
 from kvroute.router.tokenize.request_ids import IdsValidator, engine_ids, hinted_ids
+from kvroute.router.tokenize.responses_request import responses_chat_body
 from kvroute.router.tokenize.spec import PendingText, TokenizedPrompt, TokenizerSpec
 
 log = logging.getLogger("kvroute.tokenize")
@@ -344,6 +345,8 @@ class Tokenizers:
             return local.render_chat(body)
         if endpoint == "/v1/completions":
             return local.completion_text(body)
+        if endpoint == "/v1/responses":
+            return local.render_chat(responses_chat_body(body))
         if endpoint == "/v1/embeddings":
             text = body.get("input")
             if isinstance(text, list) and text and isinstance(text[0], str):

@@ -17,6 +17,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from kvroute.sim.api import faults as fault_rules
+from kvroute.sim.api.embeddings import answer_embeddings, parse_embeddings
 from kvroute.sim.api.errors import ApiError, bad_request, not_found
 from kvroute.sim.api.faults import FailurePlan
 from kvroute.sim.api.openai import Generation
@@ -28,6 +29,8 @@ from kvroute.sim.api.requests import (
     render_chat,
     resolve_model,
 )
+from kvroute.sim.api.responses import ResponsesAnswer
+from kvroute.sim.api.responses_request import parse_responses
 from kvroute.sim.engine.core import Engine, EngineConfig
 from kvroute.sim.engine.kv_transfer import PULL_PATH
 from kvroute.sim.publisher import EventPublisher
@@ -92,6 +95,7 @@ def build_app(
     cfg = engine.config
     failures = FailurePlan(seed=fail_seed)
     gen = Generation(engine, failures, name)
+    responses_answer = ResponsesAnswer(gen)
     created = int(time.time())
 
     def gated(handler: Handler) -> Handler:
@@ -116,6 +120,20 @@ def build_app(
         received = time.monotonic()
         parsed = parse_chat(await _json(request), cfg, engine.tokenizer)
         return await _until_disconnect(request, gen.chat(parsed, received))
+
+    async def responses(request: Request) -> Response:
+        parsed = parse_responses(await _json(request), cfg, engine.tokenizer)
+        return await responses_answer.answer(parsed)
+
+    async def render_responses(request: Request) -> Response:
+        req = parse_responses(await _json(request), cfg, engine.tokenizer).run
+        ids = req.prompts[0]
+        max_tokens = req.sampling.max_tokens or cfg.max_model_len - len(ids)
+        return JSONResponse(_generate_request("resp-render", ids, req.model, max_tokens, req))
+
+    async def embeddings(request: Request) -> Response:
+        parsed = parse_embeddings(await _json(request), cfg, engine.tokenizer)
+        return await answer_embeddings(gen, parsed)
 
     async def render_completions(request: Request) -> Response:
         req = parse_completion(await _json(request), cfg, engine.tokenizer)
@@ -250,12 +268,24 @@ def build_app(
         finally:
             await engine.stop()
 
+    # What each runner serves, as vLLM registers its routers by the model's tasks: the
+    # generation endpoints, or /v1/embeddings (anything else is FastAPI's plain 404).
+    by_runner = {
+        "generate": [
+            Route("/v1/completions", gated(completions), methods=["POST"]),
+            Route("/v1/chat/completions", gated(chat), methods=["POST"]),
+            Route("/v1/responses", gated(responses), methods=["POST"]),
+            Route("/v1/completions/render", gated(render_completions), methods=["POST"]),
+            Route("/v1/responses/render", gated(render_responses), methods=["POST"]),
+            Route("/v1/chat/completions/render", gated(render_chat_completions), methods=["POST"]),
+        ],
+        "pooling": [Route("/v1/embeddings", gated(embeddings), methods=["POST"])],
+    }
+    if cfg.runner not in by_runner:
+        raise ValueError(f"unknown runner {cfg.runner!r} (one of {', '.join(by_runner)})")
     routes = [
         Route("/v1/models", gated(models), methods=["GET"]),
-        Route("/v1/completions", gated(completions), methods=["POST"]),
-        Route("/v1/chat/completions", gated(chat), methods=["POST"]),
-        Route("/v1/completions/render", gated(render_completions), methods=["POST"]),
-        Route("/v1/chat/completions/render", gated(render_chat_completions), methods=["POST"]),
+        *by_runner[cfg.runner],
         Route("/tokenize", gated(tokenize), methods=["POST"]),
         Route("/detokenize", gated(detokenize), methods=["POST"]),
         Route("/health", gated(health), methods=["GET"]),
@@ -269,7 +299,12 @@ def build_app(
         Route("/sim/probe", _answered(probe), methods=["POST"]),
         Route(PULL_PATH, _answered(kv_pull), methods=["POST"]),
     ]
-    return Starlette(routes=routes, lifespan=lifespan)
+    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: _not_found})
+
+
+async def _not_found(_: Request, __: Exception) -> Response:
+    """An unknown path, answered as vLLM's FastAPI app does."""
+    return JSONResponse({"detail": "Not Found"}, status_code=404)
 
 
 def _generate_request(

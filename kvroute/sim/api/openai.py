@@ -109,7 +109,8 @@ class Generation:
         except EngineOverloaded as exc:
             raise ApiError(str(exc), 503, "ServiceUnavailableError") from exc
 
-    async def _collect(self, handle: RequestHandle, fail_mode: str | None) -> ChoiceResult:
+    async def collect(self, handle: RequestHandle, fail_mode: str | None) -> ChoiceResult:
+        """The whole answer of a submitted request; ApiError (500) if it fails."""
         ids: list[int] = []
         text = ""
         try:
@@ -133,13 +134,15 @@ class Generation:
             self.engine.abort(handle.request_id)
             raise
 
-    async def _start(
-        self, req: ParsedRequest, prefix: str
+    async def start(
+        self, req: ParsedRequest, prefix: str, sep: str = "-"
     ) -> tuple[str, list[RequestHandle], str | None]:
+        """Submit every prompt: (request id, handles, injected failure mode for the answer);
+        ApiError for an injected HTTP failure, a prompt too long or a full queue."""
         fail_mode = self.failures.take()
         if fail_mode == "http":
             raise server_error("injected failure: the engine could not process the request")
-        base = f"{prefix}-{uuid.uuid4().hex}"
+        base = f"{prefix}{sep}{uuid.uuid4().hex}"
         handles = []
         try:
             for i in range(len(req.prompts)):
@@ -154,11 +157,11 @@ class Generation:
     # ---- completions ------------------------------------------------------------------
     async def completion(self, req: ParsedRequest, received: float | None = None) -> Response:
         """Answer /v1/completions (one choice per prompt), streaming or not."""
-        rid, handles, fail_mode = await self._start(req, "cmpl")
+        rid, handles, fail_mode = await self.start(req, "cmpl")
         created = int(time.time())
         if req.stream:
             return self._stream(req, rid, created, handles, fail_mode, False, received)
-        results = await asyncio.gather(*(self._collect(h, fail_mode) for h in handles))
+        results = await asyncio.gather(*(self.collect(h, fail_mode) for h in handles))
         choices = []
         for i, r in enumerate(results):
             prompt_text = req.prompt_texts[i] if i < len(req.prompt_texts) else None
@@ -201,11 +204,11 @@ class Generation:
     # ---- chat ---------------------------------------------------------------------------
     async def chat(self, req: ParsedRequest, received: float | None = None) -> Response:
         """Answer /v1/chat/completions, streaming or not."""
-        rid, handles, fail_mode = await self._start(req, "chatcmpl")
+        rid, handles, fail_mode = await self.start(req, "chatcmpl")
         created = int(time.time())
         if req.stream:
             return self._stream(req, rid, created, handles, fail_mode, True, received)
-        r = await self._collect(handles[0], fail_mode)
+        r = await self.collect(handles[0], fail_mode)
         body = {
             "id": rid,
             "object": "chat.completion",

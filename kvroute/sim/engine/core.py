@@ -53,6 +53,9 @@ class EngineConfig:
     seed: int = 0  # mixed into every request's generation seed
     gpu: GpuModel = DEFAULT_GPU
     model_dir: str = str(MODEL_DIR)
+    # "generate", or "pooling": an embedding model (a decoder with last-token pooling, which
+    # vLLM serves with prefix caching on: its embed requests read and fill the cache)
+    runner: str = "generate"
     kv_transfer: TransferConfig | None = None  # prefill/decode disaggregation (None: off)
 
     def cache_spec(self) -> CacheSpec:

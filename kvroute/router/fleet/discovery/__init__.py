@@ -22,6 +22,7 @@ from kvroute.router.fleet.discovery.spec import (
     WorkerSpecError,
     parse_worker,
     parse_workers,
+    valid_worker_name,
 )
 from kvroute.router.fleet.discovery.static import StaticSource
 
@@ -47,5 +48,6 @@ __all__ = [
     "parse_worker",
     "parse_workers",
     "start_discovery",
+    "valid_worker_name",
     "worker_from_pod",
 ]

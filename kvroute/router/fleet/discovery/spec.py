@@ -43,6 +43,12 @@ class WorkerSpec:
     role: str = "both"
 
 
+def valid_worker_name(name: str) -> bool:
+    """Whether `name` may name a worker: letters, digits and `._-:/`, at most 253 characters,
+    starting with a letter or digit (so `<namespace>/<pod>` is one)."""
+    return _NAME.match(name) is not None
+
+
 def check_host_port(value: str, field: str) -> str:
     """Return `value` if it is a usable "host:port", else raise WorkerSpecError."""
     match = _HOST_PORT.match(value)
@@ -72,7 +78,7 @@ def parse_worker(obj: object) -> WorkerSpec:
     name = _str(obj, "name", required=True)
     url = _str(obj, "url", required=True)
     assert name is not None and url is not None
-    if not _NAME.match(name):
+    if not valid_worker_name(name):
         raise WorkerSpecError(f"name: not a valid worker name: {name!r}")
     url = url.rstrip("/")
     port = _URL.match(url)

@@ -222,6 +222,15 @@
     return lines.length ? "\ncost " + (c.cost_s * 1000).toFixed(3) + " ms = " + lines.join(", ") : "";
   }
 
+  // What a candidate loads from its lower KV tiers beyond its GPU reuse ("" without any).
+  function tierText(c) {
+    const t = c.tier_tokens || {};
+    const parts = [];
+    if (t.cpu) parts.push(num(t.cpu) + " CPU");
+    if (t.storage) parts.push(num(t.storage) + " storage");
+    return parts.length ? " + " + parts.join(" + ") : "";
+  }
+
   function scoreChips(d) {
     const wrap = el("div", null, "scores");
     const cands = (d.candidates || []).slice().sort((a, b) => a.worker.localeCompare(b.worker));
@@ -230,7 +239,7 @@
       chip.appendChild(el("span", c.worker, "w"));
       chip.appendChild(document.createTextNode(
         (c.predicted_reuse === null ? "no evidence" : num(c.predicted_reuse) + " tok") +
-        " · " + c.est_ttft_s.toFixed(3) + " s" + (c.saturated ? " · saturated" : "")));
+        tierText(c) + " · " + c.est_ttft_s.toFixed(3) + " s" + (c.saturated ? " · saturated" : "")));
       chip.title = "uncached " + num(c.uncached_tokens) + " tokens, running " + num(c.running) +
         ", queued prefill " + num(c.queued_prefill_tokens) + " tokens" +
         (c.step_wait_s ? ", step in flight ends in " + (c.step_wait_s * 1000).toFixed(1) + " ms" : "") +
@@ -387,8 +396,12 @@
       const reuse = td();
       reuse.appendChild(bar((w.predicted_reuse || 0) / total, true));
       reuse.appendChild(document.createTextNode(
-        w.predicted_reuse === null || w.predicted_reuse === undefined ? "no evidence" : num(w.predicted_reuse) + " tokens"));
+        (w.predicted_reuse === null || w.predicted_reuse === undefined ? "no evidence" : num(w.predicted_reuse) + " tokens") +
+        tierText(w)));
       reuse.dataset.reuse = w.predicted_reuse === null || w.predicted_reuse === undefined ? "" : String(w.predicted_reuse);
+      const tiers = w.tier_tokens || {};
+      reuse.dataset.cpu = String(tiers.cpu || 0);
+      reuse.dataset.storage = String(tiers.storage || 0);
       reuse.className = "reuse";
       tr.appendChild(reuse);
       const groups = td(null, "groups");

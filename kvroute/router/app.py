@@ -227,6 +227,7 @@ def create_app(
         clock=clock,
         retry_after_s=cfg.timeouts.retry_after_s,
         partial_min_chars=cfg.tokenizer.partial_min_chars,
+        pd=cfg.pd,
     )
     decisions = DecisionLog(cfg.limits.decisions_buffer)
     proxy = Proxy(

@@ -20,6 +20,9 @@ POLICY_NAMES = (
     "session",
 )
 TOKENIZER_MODES = ("render", "request")  # anything else is a local model directory
+# A worker's part in prefill/decode disaggregation (vLLM's kv_role kv_producer / kv_consumer);
+# "both" serves whole requests (a mixed pool).
+WORKER_ROLES = ("both", "prefill", "decode")
 
 
 def _f(default: Any, doc: str) -> Any:
@@ -40,6 +43,11 @@ class WorkerSpec:
     dp_rank: int = _f(0, "data-parallel rank of the engine this worker stands for")
     model: str | None = _f(None, "served model name; learned from /v1/models when unset")
     instance: str = _f("", "incarnation id (e.g. pod uid); a change means a new engine")
+    role: str = _f(
+        "both",
+        "both (serves whole requests), prefill or decode (one half of a disaggregated model; "
+        "needs model set)",
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,6 +170,31 @@ class PolicyConfig:
         1024, "initial estimate of a waiting request's prefill tokens (learned at run time)"
     )
     seed: int | None = _f(None, "seed of the random policy (unset = random)")
+
+
+@dataclass(frozen=True, slots=True)
+class PdConfig:
+    """How the decode half of a disaggregated (prefill/decode) request is placed."""
+
+    link_gbps: float = _f(
+        400.0,
+        "bandwidth a decode worker pulls KV blocks from a prefill worker at, Gbit/s (> 0; "
+        "default one 400G RDMA NIC)",
+    )
+    kv_bytes_per_token: int = _f(
+        131072,
+        "KV cache bytes per token of the served model, all layers (>= 1; Llama-3.1-8B BF16: "
+        "131072)",
+    )
+    running_s: float = _f(
+        0.002,
+        "decode cost charged per sequence already running on a decode worker, seconds (>= 0)",
+    )
+    learn_link: bool = _f(
+        False,
+        "price transfers at the bandwidth measured from decode first bytes (pulls of >= 256 "
+        "tokens); link_gbps is then only the starting value",
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -398,6 +431,10 @@ class RouterConfig:
     )
     policy: PolicyConfig = field(
         default_factory=PolicyConfig, metadata={"doc": "how a worker is chosen"}
+    )
+    pd: PdConfig = field(
+        default_factory=PdConfig,
+        metadata={"doc": "prefill/decode disaggregation: choosing the decode worker"},
     )
     limits: LimitsConfig = field(
         default_factory=LimitsConfig, metadata={"doc": "bounds on requests and memory"}

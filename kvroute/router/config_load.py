@@ -22,6 +22,7 @@ import yaml
 from kvroute.router.config import (
     POLICY_NAMES,
     TOKENIZER_MODES,
+    WORKER_ROLES,
     AdminConfig,
     ModelSpec,
     PolicyConfig,
@@ -306,6 +307,7 @@ def validate(c: RouterConfig) -> list[str]:
         errors.extend(validate_worker(w, f"workers[{i}]"))
         need(w.name not in seen, f"workers[{i}].name: duplicate name {w.name!r}")
         seen.add(w.name)
+    errors.extend(validate_pd_pools(c.workers))
     for name, m in c.models.items():
         where = f"models.{name}"
         if m.tokenizer is not None and m.tokenizer not in TOKENIZER_MODES:
@@ -350,6 +352,10 @@ def validate(c: RouterConfig) -> list[str]:
     need(p.hash_unit >= 1, "policy.hash_unit: expected >= 1")
     need(p.expect_seconds >= 0, "policy.expect_seconds: expected >= 0")
     need(p.avg_prompt_tokens >= 0, "policy.avg_prompt_tokens: expected >= 0")
+
+    need(c.pd.link_gbps > 0, "pd.link_gbps: expected > 0")
+    need(c.pd.kv_bytes_per_token >= 1, "pd.kv_bytes_per_token: expected >= 1")
+    need(c.pd.running_s >= 0, "pd.running_s: expected >= 0")
 
     lim = c.limits
     for key in ("max_body_bytes", "max_in_flight", "decisions_buffer", "max_workers"):
@@ -481,6 +487,27 @@ def validate_worker(w: WorkerSpec, where: str = "worker") -> list[str]:
         errors.append(f"{where}.dp_rank: expected >= 0")
     if w.model is not None and not w.model:
         errors.append(f"{where}.model: expected a non-empty name")
+    if w.role not in WORKER_ROLES:
+        errors.append(f"{where}.role: expected one of {', '.join(WORKER_ROLES)}, got {w.role!r}")
+    elif w.role != "both" and not w.model:
+        errors.append(f"{where}.model: a {w.role} worker must name its model")
+    return errors
+
+
+def validate_pd_pools(workers: list[WorkerSpec]) -> list[str]:
+    """A model with prefill workers needs decode workers and the other way round (mixed
+    `both` workers may serve the same model beside them)."""
+    roles: dict[str, set[str]] = {}
+    for w in workers:
+        if w.model and w.role in ("prefill", "decode"):
+            roles.setdefault(w.model, set()).add(w.role)
+    errors = []
+    for model, have in sorted(roles.items()):
+        for missing in sorted({"prefill", "decode"} - have):
+            errors.append(
+                f"workers: model {model!r} has {' and '.join(sorted(have))} workers but no "
+                f"{missing} worker"
+            )
     return errors
 
 

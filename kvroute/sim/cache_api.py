@@ -183,6 +183,10 @@ class CacheBackend(Protocol):
     def per_group_hits(self, request_id: str) -> list[int]:
         """Each group's own longest hit, ignoring the others."""
 
+    def block_ids(self, request_id: str) -> list[list[int]]:
+        """The ids of the blocks the request holds, one list per group (vLLM's
+        get_block_ids), as a KV connector names them to its peer."""
+
 
 def missing_methods(cls: type) -> list[str]:
     """The `CacheBackend` methods `cls` lacks (a check for a backend loaded by name)."""

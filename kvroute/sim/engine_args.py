@@ -10,6 +10,12 @@ from typing import cast
 
 from kvroute.sim.cache_api import CacheBackend, CacheSpec, missing_methods
 from kvroute.sim.engine.core import EngineConfig
+from kvroute.sim.engine.kv_transfer import (
+    DEFAULT_LEASE_S,
+    DEFAULT_LINK_BYTES_PER_S,
+    KV_ROLES,
+    TransferConfig,
+)
 from kvroute.sim.profiles import PROFILES
 
 
@@ -60,6 +66,24 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "(kvroute.sim.vllm_backend, only where vLLM is installed)",
     )
     p.add_argument(
+        "--kv-role",
+        choices=KV_ROLES,
+        help="prefill/decode disaggregation as vLLM's NixlConnector: kv_producer keeps a "
+        "prefill's blocks for a peer, kv_consumer pulls them, kv_both does either; unset = off",
+    )
+    p.add_argument(
+        "--kv-link-gbps",
+        type=float,
+        default=DEFAULT_LINK_BYTES_PER_S * 8 / 1e9,
+        help="bandwidth a consumer pulls blocks at, Gbit/s (> 0; default one 400G RDMA NIC)",
+    )
+    p.add_argument(
+        "--kv-lease-s",
+        type=float,
+        default=DEFAULT_LEASE_S,
+        help="seconds a producer keeps unpulled blocks (vLLM's kv_lease_duration; > 0)",
+    )
+    p.add_argument(
         "--runner",
         choices=("generate", "pooling"),
         default="generate",
@@ -100,6 +124,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         speed=args.speed,
         seed=args.seed,
         runner=args.runner,
+        kv_transfer=None
+        if args.kv_role is None
+        else TransferConfig(args.kv_role, args.kv_link_gbps * 1e9 / 8, args.kv_lease_s),
     )
 
 
@@ -123,4 +150,7 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
         out.append("--no-events")
     if args.no_replay:
         out.append("--no-replay")
+    if args.kv_role is not None:
+        out += ["--kv-role", args.kv_role, "--kv-link-gbps", str(args.kv_link_gbps),
+                "--kv-lease-s", str(args.kv_lease_s)]  # fmt: skip
     return out

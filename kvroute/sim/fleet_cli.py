@@ -91,6 +91,7 @@ class Member:
     events: str | None
     replay: str | None
     topic: str
+    role: str = "both"  # both, prefill or decode (the router's worker role)
     bridge: subprocess.Popen[str] | None = None
     bridge_addr: str | None = None
     bridge_http: str | None = None
@@ -107,6 +108,7 @@ class Member:
             "bridge_http": self.bridge_http,
             "engine_pid": self.engine.pid,
             "bridge_pid": self.bridge.pid if self.bridge else None,
+            "role": self.role,
         }
 
 
@@ -120,33 +122,46 @@ class Fleet:
     startup_timeout: float = 60.0
     bridge_nice: int | None = None  # None: the bridge's default
     bridge_sched_idle: bool = False  # the bridges in Linux's SCHED_IDLE class
+    prefill: int = 0  # engines that only prefill (kv_producer), after the mixed ones
+    decode: int = 0  # engines that only decode (kv_consumer)
     members: list[Member] = field(default_factory=list)
+
+    def _plan(self) -> list[tuple[str, str, list[str]]]:
+        """(name, role, extra engine options) of every engine to start."""
+        plan = [(f"sim-{i}", "both", []) for i in range(self.workers)]
+        producer, consumer = ["--kv-role", "kv_producer"], ["--kv-role", "kv_consumer"]
+        plan += [(f"prefill-{i}", "prefill", producer) for i in range(self.prefill)]
+        plan += [(f"decode-{i}", "decode", consumer) for i in range(self.decode)]
+        return plan
 
     def start(self) -> list[Member]:
         """Start the engines, then their bridges; RuntimeError (after stopping everything)
         if one does not come up in time."""
         cmd = [sys.executable, "-m", "kvroute", "sim"]
+        plan = self._plan()
         try:
             procs = [
-                _spawn([*cmd, *self.engine_args, "--name", f"sim-{i}"]) for i in range(self.workers)
+                _spawn([*cmd, *self.engine_args, *extra, "--name", name]) for name, _, extra in plan
             ]
             deadline = time.monotonic() + self.startup_timeout
             for i, proc in enumerate(procs):
+                name, role, _ = plan[i]
                 try:
-                    info = json.loads(_read_line(proc, deadline, f"engine sim-{i}"))
+                    info = json.loads(_read_line(proc, deadline, f"engine {name}"))
                 except Exception:
                     for p in procs[i:]:
                         self._terminate([p])
                     raise
-                _drain(proc.stdout, f"sim-{i}")
+                _drain(proc.stdout, name)
                 self.members.append(
                     Member(
-                        f"sim-{i}",
+                        name,
                         proc,
                         info["url"],
                         info.get("events"),
                         info.get("replay"),
                         info.get("topic", ""),
+                        role,
                     )
                 )
             if self.bridges:
@@ -230,6 +245,8 @@ def router_config(
                 w["replay"] = m.replay
             w["topic"] = m.topic
         w["model"] = model
+        if m.role != "both":
+            w["role"] = m.role
         workers.append(w)
     # The router's tokenizer is the engines' own model directory, so its ids are exact and
     # plain chat requests can reach the engines as completions of those ids.
@@ -248,7 +265,23 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kvroute sim fleet",
         description="Run N simulated vLLM engines, each with a kvroute bridge, on loopback.",
     )
-    p.add_argument("--workers", type=int, default=2, help="number of engines")
+    p.add_argument(
+        "--workers",
+        type=int,
+        help="number of mixed engines (default 2, or 0 with --prefill/--decode)",
+    )
+    p.add_argument(
+        "--prefill",
+        type=int,
+        default=0,
+        help="engines that only prefill (--kv-role kv_producer; router role prefill)",
+    )
+    p.add_argument(
+        "--decode",
+        type=int,
+        default=0,
+        help="engines that only decode (--kv-role kv_consumer; router role decode)",
+    )
     p.add_argument("--config-out", type=Path, help="write the router config (YAML) here")
     p.add_argument("--info-out", type=Path, help="write the fleet's addresses (JSON) here")
     p.add_argument(
@@ -278,7 +311,13 @@ def _bridge_available() -> bool:
 def main(argv: list[str]) -> int:
     """`kvroute sim fleet`: run until a signal or a child's death (then 1)."""
     args = build_parser().parse_args(argv)
-    if args.workers < 1:
+    pd = args.prefill or args.decode
+    if args.workers is None:
+        args.workers = 0 if pd else 2
+    if pd and (args.prefill < 1 or args.decode < 1):
+        print("kvroute sim fleet: --prefill and --decode need at least 1 each", file=sys.stderr)
+        return 2
+    if args.workers < (0 if pd else 1):
         print("kvroute sim fleet: --workers must be at least 1", file=sys.stderr)
         return 2
     try:
@@ -304,6 +343,8 @@ def main(argv: list[str]) -> int:
         args.startup_timeout,
         args.bridge_nice,
         args.bridge_sched_idle,
+        args.prefill,
+        args.decode,
     )
     try:
         members = fleet.start()

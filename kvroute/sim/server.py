@@ -124,7 +124,10 @@ async def start_engine(
             await task  # raises the startup error
             raise RuntimeError("simulated engine server exited during start-up")
         await asyncio.sleep(0.01)
-    return RunningEngine(engine, publisher, server, task, host, sock.getsockname()[1])
+    bound_port = sock.getsockname()[1]
+    if engine.kv is not None:
+        engine.kv.side_channel = (host, bound_port)  # the HTTP port stands for vLLM's side channel
+    return RunningEngine(engine, publisher, server, task, host, bound_port)
 
 
 def _close_loop(loop: asyncio.AbstractEventLoop) -> None:

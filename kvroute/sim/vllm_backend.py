@@ -326,6 +326,10 @@ class VllmCacheBackend:
         if request is not None:
             self.manager.free(request)
 
+    def block_ids(self, request_id: str) -> list[list[int]]:
+        """vLLM's own block ids of the request, one list per group."""
+        return [list(ids) for ids in self.manager.get_block_ids(request_id)]
+
     def preempt(self, request_id: str) -> None:
         """Release a running request's blocks but keep it (prompt and outputs) to resume."""
         request = self._requests[request_id]

@@ -324,3 +324,23 @@ async def test_unreachable_api_server_is_retried_without_crashing() -> None:
     with contextlib.suppress(asyncio.CancelledError):
         await task
     await source.close_client()
+
+
+def test_pod_pd_role_comes_from_its_annotation_or_label() -> None:
+    from kvroute.router.fleet.discovery import WorkerSpecError, worker_from_pod
+
+    defaults = PodDefaults()
+    plain = worker_from_pod(make_pod("x", "10.1.1.1"), defaults)
+    assert plain is not None and plain.role == "both"
+    by_label = make_pod(
+        "p", "10.1.1.2", labels={"kvroute.io/pd-role": "prefill", "kvroute.io/model": "m"}
+    )
+    spec = worker_from_pod(by_label, defaults)
+    assert spec is not None and (spec.role, spec.model) == ("prefill", "m")
+    by_note = make_pod(
+        "d", "10.1.1.3", annotations={"kvroute.io/pd-role": "decode", "kvroute.io/model": "m"}
+    )
+    spec = worker_from_pod(by_note, defaults)
+    assert spec is not None and spec.role == "decode"
+    with pytest.raises(WorkerSpecError, match="role"):
+        worker_from_pod(make_pod("b", "10.1.1.4", labels={"kvroute.io/pd-role": "x"}), defaults)

@@ -85,6 +85,8 @@ def test_parse_worker_accepts_router_config_entries() -> None:
         ({"name": "a", "url": "http://h", "dp_rank": True}, "dp_rank"),
         ({"name": "a", "url": "http://h", "dp_rank": -1}, "dp_rank"),
         ({"name": "a", "url": "http://h", "model": " "}, "model"),
+        ({"name": "a", "url": "http://h", "model": "m", "role": "producer"}, "role: expected"),
+        ({"name": "a", "url": "http://h", "role": "decode"}, "decode worker must name its model"),
         ({"name": "a", "url": "http://h", "colour": "red"}, "unknown keys"),
         ({"name": 5, "url": "http://h"}, "name"),
         ("w0", "mapping"),
@@ -93,6 +95,12 @@ def test_parse_worker_accepts_router_config_entries() -> None:
 def test_parse_worker_rejects_with_a_clear_message(obj: object, message: str) -> None:
     with pytest.raises(WorkerSpecError, match=message):
         parse_worker(obj)
+
+
+def test_parse_worker_reads_the_role() -> None:
+    assert parse_worker(W1).role == "both"
+    w = parse_worker({"name": "p", "url": "http://h:1", "model": "m", "role": "prefill"})
+    assert w.role == "prefill"
 
 
 def test_parse_workers_rejects_duplicates_and_non_lists() -> None:

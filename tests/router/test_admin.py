@@ -186,6 +186,13 @@ def test_workers_listing_and_membership() -> None:
             assert gone.json()["removed"] is True
             assert (await r.client.get("/admin/workers/w9", headers=h)).status_code == 404
             assert (await r.client.post("/admin/workers/nope/drain", headers=h)).status_code == 404
+            # a role in the add body shows in the listing; an unknown one is refused
+            dec = {"name": "d9", "url": r.engine_urls["w0"], "model": "m", "role": "decode"}
+            assert (await r.client.post("/admin/workers", json=dec, headers=h)).status_code == 201
+            assert (await r.client.get("/admin/workers/d9", headers=h)).json()["role"] == "decode"
+            bad_role = {**dec, "name": "d8", "role": "kv_consumer"}
+            refused = await r.client.post("/admin/workers", json=bad_role, headers=h)
+            assert refused.status_code == 400 and "role" in refused.json()["error"]["message"]
 
     run(go())
 

@@ -223,3 +223,64 @@ def test_former_seconds_keys_become_tokens_at_the_configured_rate(
     # a number given as a string (a quoted YAML value, a command-line flag) is converted too
     cfg = config_from_dict({**FLEET, "policy": {"session_slack_s": "0.02"}})
     assert cfg.policy.session_slack_tokens == pytest.approx(400.0)
+
+
+def _pd_worker(name: str, port: int, role: str, model: str | None = "m") -> dict[str, object]:
+    return {"name": name, "url": f"http://127.0.0.1:{port}", "role": role, "model": model}
+
+
+def test_worker_roles_allow_a_pd_pool_beside_a_mixed_pool() -> None:
+    cfg = config_from_dict(
+        {
+            "workers": [
+                _pd_worker("p0", 9001, "prefill"),
+                _pd_worker("d0", 9002, "decode"),
+                _pd_worker("mix", 9003, "both"),
+                {"name": "plain", "url": "http://127.0.0.1:9004"},
+            ]
+        }
+    )
+    assert [w.role for w in cfg.workers] == ["prefill", "decode", "both", "both"]
+
+
+@pytest.mark.parametrize(
+    ("workers", "message"),
+    [
+        ([_pd_worker("p0", 1, "prefill")], "model 'm' has prefill workers but no decode worker"),
+        (
+            [_pd_worker("d0", 1, "decode"), _pd_worker("x", 2, "both")],
+            "model 'm' has decode workers but no prefill worker",
+        ),
+        ([_pd_worker("p0", 1, "prefill", None)], "workers[0].model: a prefill worker must name"),
+        ([_pd_worker("p0", 1, "producer")], "workers[0].role: expected one of both, prefill"),
+    ],
+)
+def test_pd_pools_are_validated(workers: list[dict[str, object]], message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        config_from_dict({"workers": workers})
+    assert message in str(err.value)
+
+
+def test_pd_pool_check_is_per_model() -> None:
+    with pytest.raises(ConfigError) as err:
+        config_from_dict(
+            {
+                "workers": [
+                    _pd_worker("p0", 1, "prefill", "a"),
+                    _pd_worker("d0", 2, "decode", "a"),
+                    _pd_worker("p1", 3, "prefill", "b"),
+                ]
+            }
+        )
+    assert "model 'b' has prefill workers but no decode worker" in str(err.value)
+    assert "'a'" not in str(err.value)
+
+
+def test_admin_add_takes_a_role() -> None:
+    spec = worker_from_dict({"name": "d9", "url": "http://127.0.0.1:9", "model": "m",
+                             "role": "decode"})  # fmt: skip
+    assert spec.role == "decode"
+    with pytest.raises(ConfigError, match=r"worker\.role"):
+        worker_from_dict({"name": "d9", "url": "http://127.0.0.1:9", "role": "kv_consumer"})
+    with pytest.raises(ConfigError, match="decode worker must name its model"):
+        worker_from_dict({"name": "d9", "url": "http://127.0.0.1:9", "role": "decode"})

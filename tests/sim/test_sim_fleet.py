@@ -172,6 +172,13 @@ def test_fleet_rejects_bad_arguments() -> None:
         timeout=30,
     )
     assert r.returncode == 2 and "num_blocks" in r.stderr
+    r = subprocess.run(
+        [sys.executable, "-m", "kvroute", "sim", "fleet", "--prefill", "1"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert r.returncode == 2 and "--prefill and --decode" in r.stderr
 
 
 def test_fleet_stops_everything_when_a_child_dies(tmp_path: Path) -> None:

@@ -26,6 +26,7 @@ from kvroute.router.edge.chat_answer import AnswerTap, answer_of_response
 from kvroute.router.edge.chat_as_completion import ChatStream, chat_response, completion_body
 from kvroute.router.edge.errors import (
     DEADLINE,
+    INVALID_FIELD,
     MID_STREAM,
     NO_WORKER,
     OVERLOADED,
@@ -45,6 +46,13 @@ from kvroute.router.edge.openai_request import (
     parse_request,
     with_stream_usage,
 )
+from kvroute.router.edge.pd_wire import (
+    HandoffError,
+    decode_body,
+    handoff_params,
+    prefill_body,
+    splittable,
+)
 from kvroute.router.edge.prefill_watch import ResponsesPrefillWatch
 from kvroute.router.edge.retry import Backoff, RetryBudget, retryable_status
 from kvroute.router.edge.sse import SseFilter, Usage, usage_from_json
@@ -60,8 +68,8 @@ from kvroute.router.edge.upstream import (
 from kvroute.router.fleet.load import LoadTicket, PrefillRateEstimate, PromptSizeEstimate
 from kvroute.router.fleet.step_clock import StepClock
 from kvroute.router.fleet.verify import Verifier
-from kvroute.router.fleet.workers import Worker, WorkerRegistry
-from kvroute.router.ops.decisions import DecisionLog, DecisionRecord
+from kvroute.router.fleet.workers import PREFILL, Worker, WorkerRegistry
+from kvroute.router.ops.decisions import DecisionLog, DecisionRecord, PdRecord, PhaseAttempt
 from kvroute.router.ops.metrics import RouterMetrics
 from kvroute.router.routing.pipeline import AnswerTarget, Prompt, Routing
 from kvroute.router.routing.policy import Candidate
@@ -109,6 +117,17 @@ class _Failure:
     error: RouterError | None  # what to answer if no retry follows...
     upstream: tuple[int, list[tuple[bytes, bytes]], bytes] | None = None  # ...or this
     final: bool = False  # no retry may follow (the engine may be running it, or time is up)
+
+
+@dataclass(frozen=True, slots=True)
+class _DecodeHalf:
+    """The decode half of a disaggregated request: its body (with the prefill's
+    kv_transfer_params), and the prefill worker and prediction the answer's cached_tokens
+    check (vLLM reports the prefill's hit there)."""
+
+    body: bytes
+    prefill: Worker
+    predicted: int | None
 
 
 # Sending a request that reached the engine again could run it twice: only embeddings, which
@@ -318,9 +337,16 @@ class Proxy:
         # A stream's new turn is encoded after dispatch (`_complete`), off the critical path,
         # unless the engine is to be sent the whole ids.
         send_ids = req.endpoint == CHAT and routing.sends_token_ids(route)
+        split = splittable(req.endpoint, req.body)
+        if not split and not routing.eligible(route, split=False):
+            raise RouterError(
+                INVALID_FIELD,
+                f"model `{route.name}` is served by prefill/decode workers now, which take one "
+                "prompt with n=1 on /v1/completions or /v1/chat/completions",
+            )
         prompt = await routing.prompt(req, route, partial=req.stream and not send_ids)
         reuse = routing.reuse(prompt)
-        decision = routing.decide(req, route, prompt, reuse)
+        decision = routing.decide(req, route, prompt, reuse, split=split)
         self._seq += 1
         record = self._decisions.add(
             f"kvr-{self._seq}",
@@ -402,8 +428,9 @@ class Proxy:
             route = self._routing.resolve_model(req)
             try:
                 decision = self._routing.decide(
-                    req, route, prompt, self._routing.reuse(prompt), exclude=tried
-                )
+                    req, route, prompt, self._routing.reuse(prompt), exclude=tried,
+                    split=splittable(req.endpoint, req.body),
+                )  # fmt: skip
             except RouterError:
                 return await self._give_up(failure, record, send)
             self._metrics.child(self._metrics.retries, failure.cause).inc()
@@ -438,13 +465,19 @@ class Proxy:
         out: _Outgoing,
         send: Send,
         deadline: float,
+        half: _DecodeHalf | None = None,
     ) -> int | _Failure:
-        """One try on one worker: an HTTP status once the client got an answer, or a failure."""
+        """One try on one worker: an HTTP status once the client got an answer, or a failure.
+        A prefill worker's try runs both halves of the request (`_attempt_pd`); `half` is
+        the decode half's try."""
+        if worker.spec.role == PREFILL and half is None:
+            return await self._attempt_pd(worker, cand, req, prompt, record, out, send, deadline)
         metrics = self._metrics
         breaker = worker.breaker
         breaker.on_send(self._clock())
         ticket = LoadTicket(worker.load, cand.uncached)
-        self._prompt_size.observe(cand.uncached)
+        if half is None:
+            self._prompt_size.observe(cand.uncached)
         self._routing.expect(worker, prompt)
         # The prefill is taken as done at the first byte or at the estimated TTFT (in wall
         # time at the measured rate, `_prefill_done_after`), whichever comes first. (Holding
@@ -459,7 +492,8 @@ class Proxy:
             headers = [*headers, ("x-data-parallel-rank", str(worker.spec.dp_rank))]
         dispatched = time.perf_counter()
         # of the whole prompt (`_complete` rescores a partial one), lower tiers included
-        predicted = cand.predicted_cached
+        predicted = cand.predicted_cached if half is None else half.predicted
+        body = out.body if half is None else half.body
         # a Responses stream's first byte precedes its prefill: watch for the end instead
         watch = ResponsesPrefillWatch() if req.stream and out.path == RESPONSES else None
         resp: UpstreamResponse | None = None
@@ -468,7 +502,7 @@ class Proxy:
             try:
                 async with asyncio.timeout_at(deadline):
                     url = worker.url + out.path
-                    resp = await self._upstream.send("POST", url, headers, out.body)
+                    resp = await self._upstream.send("POST", url, headers, body)
                     if resp.status == 429 or retryable_status(resp.status):
                         data = await resp.read()
                         resp.release()
@@ -487,7 +521,8 @@ class Proxy:
                             predicted = await self._complete(worker, cand, prompt, record)
                         first = await resp.next_chunk()
                         if watch is None or watch.feed(first):
-                            self._prefill_ended(worker, cand, dispatched)
+                            # a decode's first byte ends no prefill of its own
+                            self._prefill_ended(worker, cand, dispatched, rate=half is None)
                     else:
                         first = await resp.read()
             except UpstreamPoolTimeout as exc:
@@ -508,6 +543,7 @@ class Proxy:
                 metrics.child(metrics.upstream, worker.name, "timeout").inc()
                 return self._past_deadline()
             # From here on the client gets this worker's answer: no more retries.
+            first_byte_s = time.perf_counter() - dispatched
             breaker.record_success()
             verdict = True
             prefill_to_come = None
@@ -517,7 +553,7 @@ class Proxy:
                 ended = partial(self._prefill_ended, worker, cand, dispatched, ticket)
                 prefill_to_come = (watch, ended)
 
-            metrics.child(metrics.ttfb, worker.name).observe(time.perf_counter() - dispatched)
+            metrics.child(metrics.ttfb, worker.name).observe(first_byte_s)
             metrics.child(metrics.upstream, worker.name, f"{resp.status // 100}xx").inc()
             record.status = resp.status
             out_headers = _resp_headers(resp)
@@ -541,8 +577,18 @@ class Proxy:
                 if out.as_chat and resp.status == 200:
                     first = chat_response(first)
                 await send({"type": "http.response.body", "body": first})
+            if half is not None:
+                assert record.pd is not None
+                record.pd.decode.append(PhaseAttempt(worker.name, str(resp.status), first_byte_s))
+                if req.stream and resp.status == 200:
+                    # a whole (non-streamed) answer's time is its decode's, not the pull's
+                    metrics.child(metrics.pd_phase_seconds, "decode_first_byte").observe(
+                        first_byte_s
+                    )
+                    self._routing.decode_started(cand.uncached, first_byte_s)
             if resp.status == 200:
-                self._verify(worker, predicted, req, prompt, record, usage)
+                verify_as = worker if half is None else half.prefill
+                self._verify(verify_as, predicted, req, prompt, record, usage)
                 if tap is not None and out.keep_answer_for is not None and record.status == 200:
                     # the text is taken from the bytes later, on the tokenizer's answer thread
                     answer_of = tap.answer if req.stream else partial(answer_of_response, first)
@@ -557,15 +603,154 @@ class Proxy:
                 resp.abort()  # no-op once released; drops a half-read connection
             self._registry.request_finished(worker)
 
+    async def _attempt_pd(
+        self,
+        worker: Worker,
+        cand: Candidate,
+        req: ClientRequest,
+        prompt: Prompt,
+        record: DecisionRecord,
+        out: _Outgoing,
+        send: Send,
+        deadline: float,
+    ) -> int | _Failure:
+        """Both halves of a disaggregated request: the prefill on `worker` (the policy's
+        choice), then the decode on the decode worker that holds most of the prompt at the
+        least load, retried on another decode worker with the same params if it fails
+        before its first byte. A prefill that fails is a failure of this attempt (nothing
+        reached the client, so `_forward` may retry on another prefill worker)."""
+        pd = record.pd = record.pd or PdRecord()
+        metrics = self._metrics
+        if prompt.partial is not None and await self._routing.complete(prompt):
+            cand.reuse = self._routing.reuse(prompt).get(worker.name)
+        prefilled = await self._prefill(worker, cand, req, prompt, pd, out, deadline)
+        if isinstance(prefilled, _Failure):
+            metrics.child(metrics.pd_retries, "prefill", prefilled.cause).inc()
+            return prefilled
+        route = self._routing.resolve_model(req)
+        body = decode_body(out.body, prefilled)
+        half = _DecodeHalf(body, worker, cand.predicted_cached)
+        tried: list[str] = []
+        result: int | _Failure = _Failure("no_decode", None)
+        for _ in range(self._cfg.retry.max_attempts):
+            choice = self._routing.choose_decode(
+                route, prompt, self._routing.reuse(prompt), exclude=tried
+            )
+            if choice.chosen is None:
+                break
+            pd.decode_candidates = choice.candidates
+            dcand = choice.chosen
+            tried.append(dcand.name)
+            metrics.pd_pull_tokens.inc(dcand.uncached)
+            result = await self._attempt(
+                dcand.worker, dcand, req, prompt, record, out, send, deadline, half
+            )
+            if isinstance(result, int):
+                return result
+            pd.decode.append(PhaseAttempt(dcand.name, result.cause, 0.0))
+            if result.final or not self._budget.try_spend(self._clock()):
+                return result
+            metrics.child(metrics.pd_retries, "decode", result.cause).inc()
+        if isinstance(result, _Failure) and result.cause != "no_decode":
+            return result
+        message = f"no decode worker can serve model `{route.name}` right now"
+        error = RouterError(NO_WORKER, message, retry_after=self._cfg.timeouts.retry_after_s)
+        return _Failure("no_decode", error, final=True)
+
+    async def _prefill(
+        self,
+        worker: Worker,
+        cand: Candidate,
+        req: ClientRequest,
+        prompt: Prompt,
+        pd: PdRecord,
+        out: _Outgoing,
+        deadline: float,
+    ) -> dict[str, Any] | _Failure:
+        """The prefill half on `worker`: its kv_transfer_params, or why it failed."""
+        metrics = self._metrics
+        breaker = worker.breaker
+        breaker.on_send(self._clock())
+        ticket = LoadTicket(worker.load, cand.uncached)
+        self._prompt_size.observe(cand.uncached)
+        self._routing.expect(worker, prompt)
+        headers = req.headers
+        if worker.url_shared:
+            headers = [*headers, ("x-data-parallel-rank", str(worker.spec.dp_rank))]
+        started = time.perf_counter()
+        outcome = "connect"
+        verdict = False
+        try:
+            async with asyncio.timeout_at(deadline):
+                url = worker.url + out.path
+                resp = await self._upstream.send("POST", url, headers, prefill_body(out.body))
+                try:
+                    data = await resp.read()
+                finally:
+                    resp.release()
+            outcome = str(resp.status)
+            metrics.child(metrics.upstream, worker.name, f"{resp.status // 100}xx").inc()
+            if resp.status != 200:
+                verdict = True
+                if resp.status >= 500:
+                    breaker.record_failure(self._clock())
+                else:
+                    breaker.release()
+                retry = resp.status == 429 or retryable_status(resp.status)
+                cause = "429" if resp.status == 429 else f"{resp.status // 100}xx"
+                answer = (resp.status, _resp_headers(resp), data)
+                return _Failure(cause, None, answer, final=not retry)
+            breaker.record_success()
+            verdict = True
+            try:
+                return handoff_params(data)
+            except HandoffError as exc:
+                outcome = "no_params"
+                metrics.child(metrics.errors, "pd_handoff").inc()
+                self._ratelog.warning("pd_handoff", "%s: %s", worker.name, exc)
+                return _Failure("no_params", RouterError(UPSTREAM, f"{worker.name}: {exc}"))
+        except UpstreamPoolTimeout as exc:
+            retry_after = self._cfg.timeouts.retry_after_s
+            error = RouterError(POOL_WAIT, str(exc), retry_after=retry_after)
+            return _Failure("pool_wait", error, final=True)
+        except UpstreamError as exc:
+            timed_out = isinstance(exc, UpstreamTimeout)
+            outcome = "timeout" if timed_out else "connect"
+            metrics.child(metrics.upstream, worker.name, outcome).inc()
+            breaker.record_failure(self._clock())
+            verdict = True
+            kind = UPSTREAM_TIMEOUT if timed_out else UPSTREAM
+            # retried even when sent: a prefill gives the client nothing, and its kept
+            # blocks are freed when vLLM's lease runs out
+            return _Failure(outcome, RouterError(kind, f"{worker.name}: {exc}"))
+        except TimeoutError:
+            outcome = "deadline"
+            metrics.child(metrics.upstream, worker.name, "timeout").inc()
+            return self._past_deadline()
+        finally:
+            seconds = time.perf_counter() - started
+            pd.prefill.append(PhaseAttempt(worker.name, outcome, seconds))
+            metrics.child(metrics.pd_phase_seconds, "prefill").observe(seconds)
+            ticket.finish()
+            if not verdict:
+                breaker.release()
+            self._registry.request_finished(worker)
+
     def _prefill_ended(
-        self, worker: Worker, cand: Candidate, dispatched: float, ticket: LoadTicket | None = None
+        self,
+        worker: Worker,
+        cand: Candidate,
+        dispatched: float,
+        ticket: LoadTicket | None = None,
+        rate: bool = True,
     ) -> None:
         """A stream's prefill just ended (its first output arrived): a step of the worker's
-        clock, a sample of its prefill rate, and `ticket`'s queued prefill released."""
+        clock, a sample of its prefill rate (unless not `rate`), and `ticket`'s queued
+        prefill released."""
         if ticket is not None:
             ticket.prefill_done()
         worker.load.steps.observe(self._clock())
-        if self._prefill_rate is not None:
+        if self._prefill_rate is not None and rate:
             self._prefill_rate.observe(
                 cand.queued_tokens + cand.uncached, time.perf_counter() - dispatched
             )

@@ -19,6 +19,10 @@ from kvroute.router.fleet.load import WorkerLoad
 
 ACTIVE = "active"
 DRAINING = "draining"
+# worker roles (`WorkerSpec.role`)
+BOTH = "both"
+PREFILL = "prefill"
+DECODE = "decode"
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +86,9 @@ def _as_worker_spec(spec: WorkerSpec | DiscoveredSpec) -> WorkerSpec:
     """Accept any record with the `workers:` entry fields (e.g. discovery's WorkerSpec)."""
     if isinstance(spec, WorkerSpec):
         return spec
-    fields = ("name", "url", "bridge", "zmq", "replay", "topic", "dp_rank", "model", "instance")
+    fields = (
+        "name", "url", "bridge", "zmq", "replay", "topic", "dp_rank", "model", "instance", "role",
+    )  # fmt: skip
     return WorkerSpec(**{f: getattr(spec, f) for f in fields if hasattr(spec, f)})
 
 

@@ -25,12 +25,13 @@ from kvroute.router.edge.json_input import decode_json
 from kvroute.router.edge.openai_request import CHAT, COMPLETIONS, RESPONSES, parse_request
 from kvroute.router.fleet.event_subscriptions import EventSubscriptions
 from kvroute.router.fleet.verify import Verifier
-from kvroute.router.fleet.workers import Worker, WorkerRegistry
+from kvroute.router.fleet.workers import PREFILL, Worker, WorkerRegistry
 from kvroute.router.ops.admin_auth import AdminTokens, Scope
 from kvroute.router.ops.decisions import DecisionLog, candidate_json
 from kvroute.router.ops.metrics import RouterMetrics
 from kvroute.router.routing.index_view import IndexView, ReuseExplanation
 from kvroute.router.routing.pipeline import Routing
+from kvroute.router.routing.records import Candidate
 
 log = logging.getLogger(__name__)
 
@@ -131,11 +132,19 @@ class Admin:
             eligible, routing.route_input(req, prompt, reuse), self._clock()
         )
         by_name = {c.name: c for c in decision.candidates}
+        # a prefill worker's choice: the decode half too, as the proxy would place it
+        decode_by_name: dict[str, Candidate] = {}
+        decode_chosen = None
+        if decision.chosen is not None and decision.chosen.worker.spec.role == PREFILL:
+            choice = routing.choose_decode(route, prompt, reuse, dry_run=True)
+            decode_by_name = {c.name: c for c in choice.candidates}
+            decode_chosen = choice.chosen
         down = self._events.unusable()
         workers = []
         for w in routing.registry.serving(route.name):
             entry: dict[str, Any] = {
                 "worker": w.name,
+                "role": w.spec.role,
                 "status": w.status(),
                 "eligible": w.name in by_name,
                 "events_live": w.name not in down if (w.spec.bridge or w.spec.zmq) else None,
@@ -160,6 +169,9 @@ class Admin:
             if c is not None:
                 entry.update(candidate_json(c))
                 entry["chosen"] = decision.chosen is c
+            d = decode_by_name.get(w.name)
+            if d is not None:
+                entry["decode"] = {**candidate_json(d), "chosen": d is decode_chosen}
             workers.append(entry)
         return JSONResponse(
             {
@@ -171,6 +183,9 @@ class Admin:
                 "token_source": prompt.source,
                 "policy": decision.policy,
                 "chosen": decision.chosen.name if decision.chosen else None,
+                "decode_chosen": decode_chosen.name if decode_chosen else None,
+                "link_bytes_per_s": routing.link_rate.bytes_per_s(),
+                "link_bytes_per_s_learned": routing.link_rate.learned,
                 "reason": decision.reason,
                 "detail": decision.detail,
                 "session": decision.session_key is not None,
@@ -188,6 +203,7 @@ class Admin:
             "bridge": w.spec.bridge,
             "zmq": w.spec.zmq,
             "dp_rank": w.spec.dp_rank,
+            "role": w.spec.role,
             "models": sorted(w.serves()),
             "status": w.status(),
             "state": w.state,

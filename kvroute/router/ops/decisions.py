@@ -16,6 +16,38 @@ from kvroute.router.routing.policy import Candidate, Decision
 
 
 @dataclass(slots=True)
+class PhaseAttempt:
+    """One try of one half of a disaggregated request."""
+
+    worker: str
+    outcome: str  # a status code, or the failure's cause (connect, timeout, 5xx, ...)
+    seconds: float  # dispatch to answer (prefill) or to first byte (decode)
+
+
+@dataclass(slots=True)
+class PdRecord:
+    """Both halves of a disaggregated request: the prefill tries, the decode choice (every
+    decode candidate as priced) and the decode tries."""
+
+    prefill: list[PhaseAttempt] = field(default_factory=list)
+    decode_candidates: list[Candidate] = field(default_factory=list)
+    decode: list[PhaseAttempt] = field(default_factory=list)
+
+    def to_json(self, *, candidates: bool = True) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "prefill": [_phase_json(a) for a in self.prefill],
+            "decode": [_phase_json(a) for a in self.decode],
+        }
+        if candidates:
+            out["decode_candidates"] = [candidate_json(c) for c in self.decode_candidates]
+        return out
+
+
+def _phase_json(a: PhaseAttempt) -> dict[str, Any]:
+    return {"worker": a.worker, "outcome": a.outcome, "seconds": round(a.seconds, 6)}
+
+
+@dataclass(slots=True)
 class DecisionRecord:
     id: int
     at: float  # wall clock
@@ -35,6 +67,7 @@ class DecisionRecord:
     # the engine endpoint the request went to (a chat request sent as a completion of the
     # router's token ids, `send_token_ids`, differs from `endpoint`)
     upstream_endpoint: str | None = None
+    pd: PdRecord | None = None  # set when the request was split into prefill and decode
 
     def to_json(self, *, candidates: bool = True) -> dict[str, Any]:
         d = self.decision
@@ -61,6 +94,7 @@ class DecisionRecord:
             "outcome": self.outcome,
             "duration_s": self.duration_s,
             "upstream_endpoint": self.upstream_endpoint,
+            "pd": None if self.pd is None else self.pd.to_json(candidates=candidates),
         }
         if candidates:
             out["candidates"] = [candidate_json(c) for c in d.candidates]

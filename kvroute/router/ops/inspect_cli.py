@@ -122,19 +122,25 @@ def render(answer: dict[str, Any]) -> str:
         + f"   prompt {answer['prompt_tokens']} tokens ({answer['token_source']})"
         + f"   policy {answer['policy']}",
         f"chosen: {answer['chosen'] or '-'}  [{answer['reason']}] {answer['detail']}",
-        "",
     ]
+    if answer.get("decode_chosen"):
+        lines.append(f"decode: {answer['decode_chosen']}  (prefill on {answer['chosen']})")
+    lines.append("")
     header = [
-        "worker", "status", "reuse", "fa_only", "uncached", "running", "queued", "kv",
-        "est_ttft_s", "groups",
+        "worker", "role", "status", "reuse", "fa_only", "uncached", "running", "queued", "kv",
+        "est_ttft_s", "decode_cost_s", "groups",
     ]  # fmt: skip
     rows = [header]
     for w in answer["workers"]:
-        name = w["worker"] + (" *" if w.get("chosen") else "")
+        decode = w.get("decode")
+        chosen = w.get("chosen") or (decode is not None and decode.get("chosen"))
+        name = w["worker"] + (" *" if chosen else "")
+        eligible = w["eligible"] or decode is not None
         rows.append(
             [
                 name,
-                w["status"] if w["eligible"] else f"{w['status']} (skip)",
+                w.get("role") or "both",
+                w["status"] if eligible else f"{w['status']} (skip)",
                 _fmt(w.get("predicted_reuse")),
                 _fmt(w.get("full_attention_only_reuse")),
                 _fmt(w.get("uncached_tokens")),
@@ -142,6 +148,7 @@ def render(answer: dict[str, Any]) -> str:
                 _fmt(w.get("queued_prefill_tokens")),
                 _fmt(w.get("kv_usage")),
                 _fmt(w.get("est_ttft_s")),
+                _fmt(decode.get("cost_s") if decode is not None else None),
                 _groups(w),
             ]
         )

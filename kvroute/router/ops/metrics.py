@@ -107,6 +107,26 @@ class RouterMetrics:
             buckets=_LATENCY,
             registry=r,
         )
+        # prefill/decode disaggregation
+        self.pd_phase_seconds = Histogram(
+            "kvroute_pd_phase_seconds",
+            "Disaggregated requests: prefill = the prefill worker's answer, decode_first_byte = "
+            "from the decode dispatch (KV pull included) to its first byte",
+            ["phase"],
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.pd_retries = Counter(
+            "kvroute_pd_retries",
+            "Disaggregated requests retried, by phase (prefill, decode) and cause",
+            ["phase", "cause"],
+            registry=r,
+        )
+        self.pd_pull_tokens = Counter(
+            "kvroute_pd_pull_tokens",
+            "Prompt tokens the chosen decode workers were predicted to pull from prefill",
+            registry=r,
+        )
         self.disconnects = Counter(
             "kvroute_client_disconnects", "Clients that went away mid-request", registry=r
         )

@@ -15,12 +15,14 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kvroute.ratelog import RateLimitedLog
-from kvroute.router.config import ModelSpec, PolicyConfig
+from kvroute.router.config import ModelSpec, PdConfig, PolicyConfig
 from kvroute.router.edge.errors import NO_WORKER, TOKENIZE, UNKNOWN_MODEL, RouterError
 from kvroute.router.edge.openai_request import CHAT, ClientRequest, skips_prefix_cache
-from kvroute.router.fleet.workers import ModelRoute, Worker, WorkerRegistry
+from kvroute.router.fleet.workers import BOTH, DECODE, PREFILL, ModelRoute, Worker, WorkerRegistry
 from kvroute.router.ops.metrics import RouterMetrics
+from kvroute.router.routing.decode_choice import DecodeChoice, choose_decode
 from kvroute.router.routing.index_view import IndexView, TierReuse
+from kvroute.router.routing.link_rate import LinkRate
 from kvroute.router.routing.policy import (
     FULL_ATTENTION_ONLY,
     REACH,
@@ -119,7 +121,11 @@ class Routing:
         clock: Callable[[], float] = time.monotonic,
         retry_after_s: int = 1,
         partial_min_chars: int = 0,
+        pd: PdConfig | None = None,
     ) -> None:
+        self._pd = pd or PdConfig()
+        self.link_rate = LinkRate(self._pd.link_gbps * 1e9 / 8, learn=self._pd.learn_link)
+        self._decode_turn = 0
         self._retry_after = retry_after_s
         self._partial_min_chars = partial_min_chars
         self._ratelog = RateLimitedLog(log, interval_s=10.0)
@@ -184,13 +190,55 @@ class Routing:
             )
         return route
 
-    def eligible(self, route: ModelRoute, exclude: Collection[str] = ()) -> list[Worker]:
+    def eligible(
+        self, route: ModelRoute, exclude: Collection[str] = (), split: bool = True
+    ) -> list[Worker]:
+        """Workers that may run a request's prefill: mixed workers, and (for a request that
+        can be `split`) prefill workers while a decode worker can take the rest; decode
+        workers never start a request."""
+        now = self._clock()
+        ready = [w for w in self.registry.serving(route.name) if w.takes_requests(now)]
+        has_decode = split and any(w.spec.role == DECODE for w in ready)
+        return [
+            w
+            for w in ready
+            if w.name not in exclude
+            and (w.spec.role == BOTH or (w.spec.role == PREFILL and has_decode))
+        ]
+
+    def decode_pool(self, route: ModelRoute, exclude: Collection[str] = ()) -> list[Worker]:
+        """The decode workers that may take a request's decode half now."""
         now = self._clock()
         return [
             w
             for w in self.registry.serving(route.name)
-            if w.takes_requests(now) and w.name not in exclude
+            if w.spec.role == DECODE and w.takes_requests(now) and w.name not in exclude
         ]
+
+    def choose_decode(
+        self,
+        route: ModelRoute,
+        prompt: Prompt,
+        reuse: Mapping[str, int | None],
+        exclude: Collection[str] = (),
+        dry_run: bool = False,
+    ) -> DecodeChoice:
+        """The decode worker for a prompt whose prefill a prefill worker runs (chosen None
+        when no decode worker can take it); see `kvroute.router.routing.decode_choice`.
+        `dry_run`: only explain (equal workers' turn does not advance)."""
+        pool = self.decode_pool(route, exclude)
+        choice = choose_decode(
+            pool, reuse, prompt.n_tokens, self.policy.load_model, self._pd, self._clock(),
+            self.link_rate.bytes_per_s(), self._decode_turn,
+        )  # fmt: skip
+        if choice.tied > 1 and not dry_run:
+            self._decode_turn += 1
+        return choice
+
+    def decode_started(self, pulled_tokens: int, seconds: float) -> None:
+        """A decode worker's first byte came `seconds` after dispatch, having pulled
+        `pulled_tokens` prompt tokens (teaches `link_rate`)."""
+        self.link_rate.observe(pulled_tokens, self._pd.kv_bytes_per_token, seconds)
 
     def sends_token_ids(self, route: ModelRoute) -> bool:
         """Whether the model's chat requests go to the engine as completions of token ids."""
@@ -198,8 +246,7 @@ class Routing:
         return spec is not None and spec.send_token_ids
 
     def any_eligible(self, route: ModelRoute) -> bool:
-        now = self._clock()
-        return any(w.takes_requests(now) for w in self.registry.serving(route.name))
+        return bool(self.eligible(route))
 
     async def prompt(self, req: ClientRequest, route: ModelRoute, partial: bool = False) -> Prompt:
         """Exact token ids when the model's tokenizer can give them; TokenizeError -> 400.
@@ -335,10 +382,12 @@ class Routing:
         prompt: Prompt,
         reuse: Mapping[str, int | None],
         exclude: Collection[str] = (),
+        split: bool = True,
     ) -> Decision:
-        """Choose among eligible workers; raises 503 when there are none."""
+        """Choose among eligible workers (prefill workers only for a request that can be
+        `split`); raises 503 when there are none."""
         started = time.perf_counter()
-        workers = self.eligible(route, exclude)
+        workers = self.eligible(route, exclude, split)
         decision = self.policy.decide(workers, self.route_input(req, prompt, reuse), self._clock())
         self._decision_hist.observe(time.perf_counter() - started)
         self._metrics.child(self._decision_count, decision.policy, decision.reason).inc()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import time
 from collections.abc import Awaitable, Callable
@@ -16,7 +18,7 @@ from starlette.routing import Route
 
 from kvroute.sim.api import faults as fault_rules
 from kvroute.sim.api.embeddings import answer_embeddings, parse_embeddings
-from kvroute.sim.api.errors import ApiError, bad_request
+from kvroute.sim.api.errors import ApiError, bad_request, not_found
 from kvroute.sim.api.faults import FailurePlan
 from kvroute.sim.api.openai import Generation
 from kvroute.sim.api.requests import (
@@ -30,6 +32,7 @@ from kvroute.sim.api.requests import (
 from kvroute.sim.api.responses import ResponsesAnswer
 from kvroute.sim.api.responses_request import parse_responses
 from kvroute.sim.engine.core import Engine, EngineConfig
+from kvroute.sim.engine.kv_transfer import PULL_PATH
 from kvroute.sim.publisher import EventPublisher
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -43,6 +46,29 @@ async def _json(request: Request) -> Any:
         return json.loads(raw or b"null")
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise bad_request(f"invalid JSON body: {exc}") from exc
+
+
+async def _until_disconnect(request: Request, answer: Awaitable[Response]) -> Response:
+    """`answer`, cancelled if the client goes away first (as vLLM's API server cancels a
+    request whose client disconnected, which aborts it in the engine); streams start at once
+    and notice it themselves."""
+    task = asyncio.ensure_future(answer)
+
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watch = asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return Response(status_code=499)
+    return task.result()
 
 
 def _answered(handler: Handler) -> Handler:
@@ -88,11 +114,12 @@ def build_app(
     async def completions(request: Request) -> Response:
         received = time.monotonic()
         parsed = parse_completion(await _json(request), cfg, engine.tokenizer)
-        return await gen.completion(parsed, received)
+        return await _until_disconnect(request, gen.completion(parsed, received))
 
     async def chat(request: Request) -> Response:
         received = time.monotonic()
-        return await gen.chat(parse_chat(await _json(request), cfg, engine.tokenizer), received)
+        parsed = parse_chat(await _json(request), cfg, engine.tokenizer)
+        return await _until_disconnect(request, gen.chat(parsed, received))
 
     async def responses(request: Request) -> Response:
         parsed = parse_responses(await _json(request), cfg, engine.tokenizer)
@@ -182,6 +209,24 @@ def build_app(
         ok = await engine.reset_prefix_cache()
         return Response(status_code=200 if ok else 400)
 
+    async def kv_pull(request: Request) -> Response:
+        """A decode peer read a kept prefill's blocks: free them (vLLM's pull notification).
+        404 when this engine keeps no such blocks (never, or no longer: the lease ran out)."""
+        body = await _json(request)
+        kv = engine.kv
+        if kv is None:
+            raise not_found("this engine has no KV connector (--kv-role)")
+        if not isinstance(body, dict):
+            raise bad_request("request body must be a JSON object")
+        rid, eid = body.get("remote_request_id"), body.get("remote_engine_id")
+        if not isinstance(rid, str) or not isinstance(eid, str):
+            raise bad_request("remote_request_id and remote_engine_id must be strings")
+        lease = kv.take(rid, eid)
+        if lease is None:
+            raise not_found(f"no kept blocks for request {rid!r}")
+        engine.wake()
+        return JSONResponse({"blocks": sum(len(g) for g in lease.block_ids)})
+
     # ---- /sim admin: never gated, so a hung engine can be released -----------------------
     async def probe(request: Request) -> Response:
         """Oracle for benchmarks: the hit this request would get now (no side effects)."""
@@ -252,6 +297,7 @@ def build_app(
         Route("/sim/faults", _answered(post_faults), methods=["POST"]),
         Route("/sim/state", get_faults, methods=["GET"]),
         Route("/sim/probe", _answered(probe), methods=["POST"]),
+        Route(PULL_PATH, _answered(kv_pull), methods=["POST"]),
     ]
     return Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: _not_found})
 
@@ -361,6 +407,8 @@ def _sim_state(
     }
     if publisher is not None:
         state["events"] = publisher.state()
+    if engine.kv is not None:
+        state["kv_transfer"] = engine.kv.state()
     return state
 
 

@@ -130,7 +130,7 @@ def _encoded(vector: list[float], fmt: str, order: str) -> list[float] | str:
 
 async def answer_embeddings(gen: Generation, req: ParsedEmbeddings) -> Response:
     """Run every input's prefill on the engine; the embeddings in input order."""
-    rid, handles, fail_mode = gen.start(req.run, "embd")
+    rid, handles, fail_mode = await gen.start(req.run, "embd")
     created = int(time.time())
     await asyncio.gather(*(gen.collect(h, fail_mode) for h in handles))
     data = [

@@ -34,6 +34,7 @@ class ChoiceResult:
     stop_reason: str | int | None
     cached_tokens: int
     prompt_len: int
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 def _usage(prompt: int, completion: int, cached: int | None) -> dict[str, Any]:
@@ -84,9 +85,9 @@ class Generation:
         self.failures = failures
         self.name = name  # the system_fingerprint (None, as vLLM, unless the engine is named)
 
-    def _submit(self, req: ParsedRequest, index: int, rid: str) -> RequestHandle:
-        """Submit prompt `index` of a request; 400 if it does not fit, 503 if the engine's
-        queue is full."""
+    async def _submit(self, req: ParsedRequest, index: int, rid: str) -> RequestHandle:
+        """Submit prompt `index` of a request (a decode request first pulls its prompt's KV
+        from its prefill peer); 400 if it does not fit, 503 if the engine's queue is full."""
         prompt = req.prompts[index]
         s = req.sampling
         generate = GenerateRequest(
@@ -100,7 +101,9 @@ class Generation:
             seed=s.seed,
             lora_name=req.lora_name,
             cache_salt=req.cache_salt,
+            kv_transfer_params=req.kv_transfer_params,
         )
+        generate = await self.engine.pull_prompt(generate)
         try:
             return self.engine.submit(generate)
         except EngineOverloaded as exc:
@@ -125,12 +128,13 @@ class Generation:
                     return ChoiceResult(
                         text, ids, out.finish_reason, out.stop_reason,
                         handle.cached_tokens, len(handle.request.prompt_ids),
+                        handle.kv_transfer_params,
                     )  # fmt: skip
         except asyncio.CancelledError:
             self.engine.abort(handle.request_id)
             raise
 
-    def start(
+    async def start(
         self, req: ParsedRequest, prefix: str, sep: str = "-"
     ) -> tuple[str, list[RequestHandle], str | None]:
         """Submit every prompt: (request id, handles, injected failure mode for the answer);
@@ -143,7 +147,7 @@ class Generation:
         try:
             for i in range(len(req.prompts)):
                 rid = base if len(req.prompts) == 1 else f"{base}-{i}"
-                handles.append(self._submit(req, i, rid))
+                handles.append(await self._submit(req, i, rid))
         except ApiError:
             for h in handles:
                 self.engine.abort(h.request_id)
@@ -153,7 +157,7 @@ class Generation:
     # ---- completions ------------------------------------------------------------------
     async def completion(self, req: ParsedRequest, received: float | None = None) -> Response:
         """Answer /v1/completions (one choice per prompt), streaming or not."""
-        rid, handles, fail_mode = self.start(req, "cmpl")
+        rid, handles, fail_mode = await self.start(req, "cmpl")
         created = int(time.time())
         if req.stream:
             return self._stream(req, rid, created, handles, fail_mode, False, received)
@@ -190,7 +194,8 @@ class Generation:
                 sum(len(r.token_ids) for r in results),
                 sum(r.cached_tokens for r in results),
             ),
-            "kv_transfer_params": None,
+            # vLLM answers with the first prompt's params
+            "kv_transfer_params": results[0].kv_transfer_params,
             "ec_transfer_params": None,
             "metrics": None,
         }
@@ -199,7 +204,7 @@ class Generation:
     # ---- chat ---------------------------------------------------------------------------
     async def chat(self, req: ParsedRequest, received: float | None = None) -> Response:
         """Answer /v1/chat/completions, streaming or not."""
-        rid, handles, fail_mode = self.start(req, "chatcmpl")
+        rid, handles, fail_mode = await self.start(req, "chatcmpl")
         created = int(time.time())
         if req.stream:
             return self._stream(req, rid, created, handles, fail_mode, True, received)
@@ -235,7 +240,7 @@ class Generation:
             "prompt_logprobs": None,
             "prompt_token_ids": req.prompts[0] if req.return_token_ids else None,
             "prompt_text": None,
-            "kv_transfer_params": None,
+            "kv_transfer_params": r.kv_transfer_params,
             "ec_transfer_params": None,
             "metrics": None,
         }
@@ -302,7 +307,10 @@ class Generation:
                         if out.finished and out.finish_reason in ("error", "abort"):
                             yield _sse(server_error(out.error or "request aborted").body())
                             return
-                        yield _sse(self._chunk(head, req, i, out, chat, counts[i]))
+                        chunk = self._chunk(head, req, i, out, chat, counts[i])
+                        if out.finished and h.kv_transfer_params is not None:
+                            chunk["kv_transfer_params"] = h.kv_transfer_params  # the last chunk
+                        yield _sse(chunk)
                         if out.finished:
                             done[i] = True
                 finally:

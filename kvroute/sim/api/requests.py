@@ -38,6 +38,7 @@ class ParsedRequest:
     return_token_ids: bool
     echo: bool = False
     prompt_texts: list[str | None] = field(default_factory=list)
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 def _obj(body: Any) -> Mapping[str, Any]:
@@ -140,6 +141,15 @@ def _salt(body: Mapping[str, Any]) -> str | None:
     return salt
 
 
+def _kv_params(body: Mapping[str, Any]) -> dict[str, Any] | None:
+    value = body.get("kv_transfer_params")
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise bad_request("kv_transfer_params must be an object", "kv_transfer_params")
+    return dict(value)
+
+
 def parse_completion(body: Any, config: EngineConfig, tok: SimTokenizer) -> ParsedRequest:
     """A /v1/completions body, checked and tokenized; ApiError (400, 404) otherwise."""
     b = _obj(body)
@@ -164,6 +174,7 @@ def parse_completion(body: Any, config: EngineConfig, tok: SimTokenizer) -> Pars
     return ParsedRequest(
         model, lora, prompts, _sampling(b, chat=False), stream, include, continuous,
         _salt(b), _bool(b, "return_token_ids", False), _bool(b, "echo", False), texts,
+        _kv_params(b),
     )  # fmt: skip
 
 
@@ -199,7 +210,7 @@ def parse_chat(body: Any, config: EngineConfig, tok: SimTokenizer) -> ParsedRequ
     stream, include, continuous = _stream_flags(b)
     return ParsedRequest(
         model, lora, [ids], _sampling(b, chat=True), stream, include, continuous,
-        _salt(b), _bool(b, "return_token_ids", False), False, [text],
+        _salt(b), _bool(b, "return_token_ids", False), False, [text], _kv_params(b),
     )  # fmt: skip
 
 

@@ -107,7 +107,7 @@ class ResponsesAnswer:
 
     async def answer(self, req: ParsedResponses) -> Response:
         """Answer /v1/responses, streaming or not."""
-        rid, handles, fail_mode = self.gen.start(req.run, "resp", sep="_")
+        rid, handles, fail_mode = await self.gen.start(req.run, "resp", sep="_")
         created = int(time.time())
         if req.run.stream:
             return self._stream(req, rid, created, handles[0], fail_mode)

@@ -52,6 +52,10 @@ class SimCache:
         seq = self.seqs[request_id]
         return self.coord.per_group_hits(seq.block_hashes, seq.num_tokens - 1)
 
+    def block_ids(self, request_id: str) -> list[list[int]]:
+        managers = self.coord.managers
+        return [[b.block_id for b in mgr.req_blocks.get(request_id, ())] for mgr in managers]
+
     def split_chunk(
         self, request_id: str, num_new_tokens: int, num_new_local_computed_tokens: int
     ) -> int:

@@ -15,13 +15,14 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 
 from kvroute.sim.cache import SimCache
 from kvroute.sim.cache_api import CacheBackend, CacheRequest, CacheSpec, GroupSpec
 from kvroute.sim.engine.generation import OutputStream, word_token_ids
+from kvroute.sim.engine.kv_transfer import KvTransfer, TransferConfig
 from kvroute.sim.engine.metrics import EngineMetrics
 from kvroute.sim.engine.scheduler import Scheduler, StepPlan
 from kvroute.sim.model import MODEL_DIR
@@ -55,6 +56,7 @@ class EngineConfig:
     # "generate", or "pooling": an embedding model (a decoder with last-token pooling, which
     # vLLM serves with prefix caching on: its embed requests read and fill the cache)
     runner: str = "generate"
+    kv_transfer: TransferConfig | None = None  # prefill/decode disaggregation (None: off)
 
     def cache_spec(self) -> CacheSpec:
         """The cache layout and limits; ValueError if one max_model_len request cannot fit."""
@@ -98,6 +100,9 @@ class GenerateRequest:
     seed: int | None = None
     lora_name: str | None = None
     cache_salt: str | None = None
+    kv_transfer_params: Mapping[str, object] | None = None
+    external_end: int = 0  # prompt tokens up to here were pulled from a prefill peer
+    cached_tokens_reported: int | None = None  # what usage reports instead of the local hit
 
 
 @dataclass(slots=True)
@@ -127,6 +132,7 @@ class RequestHandle:
     admitted_at: float | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    kv_transfer_params: dict[str, object] | None = None  # a producer's answer for its peer
 
     @property
     def request_id(self) -> str:
@@ -171,6 +177,16 @@ class Engine:
         self.peak_waiting = 0  # the longest the waiting queue has been at a submit
         self.busy_seconds = 0.0
         self._task: asyncio.Task[None] | None = None
+        self.kv: KvTransfer | None = None
+        if config.kv_transfer is not None:
+            self.kv = KvTransfer(
+                config.kv_transfer,
+                engine_id=f"sim-{uuid.uuid4().hex}",
+                block_size=config.cache_spec().scheduler_block_size,
+                kv_bytes_per_token=config.gpu.kv_bytes_per_token,
+                speed=config.speed,
+                max_leases=config.num_blocks,
+            )
 
     def _new_core(self) -> None:
         self.cache: CacheBackend = self._cache_factory(self.config.cache_spec())
@@ -210,7 +226,12 @@ class Engine:
             )
         handle = RequestHandle(req, arrival=time.monotonic())
         request = self._cache_request(req.request_id, req.prompt_ids, req.lora_name, req.cache_salt)
-        self.scheduler.add(dataclasses.replace(request, max_tokens=max(1, req.max_tokens)))
+        keep = self.kv is not None and self.kv.config.produces(req.kv_transfer_params)
+        self.scheduler.add(
+            dataclasses.replace(request, max_tokens=max(1, req.max_tokens)),
+            external_end=req.external_end,
+            keep=keep,
+        )
         self.peak_waiting = max(self.peak_waiting, self.scheduler.num_waiting)
         self.handles[req.request_id] = handle
         self._streams[req.request_id] = OutputStream(
@@ -225,11 +246,31 @@ class Engine:
         self._wake.set()
         return handle
 
+    async def pull_prompt(self, req: GenerateRequest) -> GenerateRequest:
+        """For a decode request (`do_remote_prefill`): pull the prompt's blocks this engine
+        lacks from the prefill peer (taking the modelled transfer time) and return the request
+        to submit; any other request comes back unchanged."""
+        kv, params = self.kv, req.kv_transfer_params
+        if kv is None or params is None or not kv.config.consumes(params):
+            return req
+        hit, _ = self.probe(req.prompt_ids, req.lora_name, req.cache_salt)
+        pulled = await kv.pull(params, len(req.prompt_ids), hit)
+        # vLLM reports the prefill peer's cache hit, not the decode's (near) full one
+        reported = params.get("remote_prefill_cached_tokens")
+        if not isinstance(reported, int) or isinstance(reported, bool):
+            reported = None
+        end = hit + pulled.external_tokens if pulled.external_tokens else 0
+        return dataclasses.replace(req, external_end=end, cached_tokens_reported=reported)
+
     def abort(self, request_id: str) -> None:
         """The client went away: drop the request at the next step boundary."""
         if request_id in self.handles:
             self._aborts.append(request_id)
             self._wake.set()
+
+    def wake(self) -> None:
+        """Have the loop run its control step soon (e.g. to free blocks a peer pulled)."""
+        self._wake.set()
 
     def probe(
         self, prompt_ids: Sequence[int], lora_name: str | None, cache_salt: str | None
@@ -273,6 +314,8 @@ class Engine:
             self._end(handle, "error", error="engine restarted")
         self._aborts.clear()
         self._new_core()
+        if self.kv is not None:
+            self.kv.drop_all()
         if self.publisher is not None:
             self.publisher.restart()
         self._update_gauges()
@@ -312,7 +355,12 @@ class Engine:
             self._apply_control()
             if not self.scheduler.has_work():
                 self._wake.clear()
-                await self._wake.wait()
+                if self.kv is not None and self.kv.leases:
+                    # idle with kept blocks: wake up to let their leases run out
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._wake.wait(), 0.5)
+                else:
+                    await self._wake.wait()
                 next_t = loop.time()
                 continue
             # with requests running, the last step ended and this one began at next_t: only
@@ -332,7 +380,10 @@ class Engine:
                 h = self.handles.get(s.request_id)
                 if s.new and h is not None and h.admitted_at is None:
                     h.admitted_at = began
-                    h.cached_tokens = s.cached_tokens
+                    reported = h.request.cached_tokens_reported
+                    # vLLM counts tokens loaded from a peer as cached, unless the peer's hit is
+                    # reported instead
+                    h.cached_tokens = s.cached_tokens + s.external if reported is None else reported
                     self.metrics.queue_time.observe(began - h.arrival)
             dt = self._step_seconds(plan) * self.slowdown / self.config.speed
             self.busy_seconds += dt
@@ -345,6 +396,7 @@ class Engine:
             self.steps += 1
             if self.publisher is not None and result.events:
                 self.publisher.publish(result.events)
+            self._lease(result.kept)
             self._deliver(result.tokens, result.finished)
             self._update_gauges()
 
@@ -352,7 +404,28 @@ class Engine:
         handle = self.handles.get(request_id)
         return handle is None or handle.arrival <= t
 
+    def _lease(self, kept: list[str]) -> None:
+        """Finished prefills whose blocks a decode peer will pull: lease them and name them in
+        the request's answer (or free them at once when no lease can be had)."""
+        kv = self.kv
+        for rid in kept:
+            handle = self.handles.get(rid)
+            if kv is None or handle is None:
+                self.scheduler.release(rid)
+                continue
+            prompt_len = len(handle.request.prompt_ids)
+            block_ids = self.cache.block_ids(rid)
+            if kv.hold(rid, block_ids, prompt_len):
+                handle.kv_transfer_params = kv.params_for(kv.leases[rid], handle.cached_tokens)
+            else:
+                self.scheduler.release(rid)
+
     def _apply_control(self) -> None:
+        if self.kv is not None:
+            self.kv.expire(time.monotonic())
+            for rid in self.kv.to_release:
+                self.scheduler.release(rid)
+            self.kv.to_release.clear()
         for rid in self._aborts:
             handle = self.handles.get(rid)
             self.scheduler.abort(rid)
@@ -374,13 +447,15 @@ class Engine:
             sr = self.scheduler.requests.get(s.request_id)
             if sr is None:
                 continue
-            start = sr.num_computed - s.num_tokens
-            if start >= sr.num_prompt and s.num_tokens == 1:
+            # tokens pulled from a prefill peer cost no compute here
+            start = sr.num_computed - s.num_tokens + s.external
+            computed = s.num_tokens - s.external
+            if start >= sr.num_prompt and computed == 1:
                 decodes += 1
                 decode_ctx += start
             else:
-                prefill += s.num_tokens
-                prefill_ctx += chunk_context(start, s.num_tokens)
+                prefill += computed
+                prefill_ctx += chunk_context(start, computed)
         return self.config.gpu.step_seconds(prefill, prefill_ctx, decodes, decode_ctx)
 
     def _sample(self, request_id: str) -> int:

@@ -29,6 +29,9 @@ class SchedRequest:
     hit_tokens: int | None = None  # prefix-cache hit at first admission
     preemptions: int = 0
     finished: bool = False
+    # prompt tokens up to here arrive from a prefill peer (a KV connector's external tokens);
+    # they are taken on admission without compute, once
+    external_end: int = 0
 
     @property
     def request_id(self) -> str:
@@ -47,6 +50,7 @@ class Scheduled:
     num_tokens: int  # tokens computed this step
     new: bool  # admitted this step
     cached_tokens: int  # prefix-cache hit adopted on admission (0 otherwise)
+    external: int = 0  # of num_tokens, loaded from a prefill peer rather than computed
 
 
 @dataclass(slots=True)
@@ -68,6 +72,7 @@ class StepResult:
     tokens: dict[str, int] = field(default_factory=dict)  # request id -> sampled token
     finished: list[str] = field(default_factory=list)
     events: list[KvEvent] = field(default_factory=list)
+    kept: list[str] = field(default_factory=list)  # finished, blocks kept for a peer
 
 
 # (request id, token) -> whether the request stops after this token
@@ -90,17 +95,29 @@ class Scheduler:
         self.prefix_queries = 0
         self.prefix_hits = 0
         self.num_preemptions = 0
+        # requests whose blocks outlive them (a prefill kept for a decode peer): the engine
+        # frees them with `release`
+        self.keep: set[str] = set()
 
     # ---- queue -----------------------------------------------------------------------
-    def add(self, req: CacheRequest) -> None:
-        """Queue a request (FCFS)."""
+    def add(self, req: CacheRequest, external_end: int = 0, keep: bool = False) -> None:
+        """Queue a request (FCFS). `external_end`: its prompt up to there comes from a
+        prefill peer; `keep`: its blocks are kept when it finishes (see `release`)."""
         self.cache.add_request(req)
-        self.requests[req.request_id] = SchedRequest(req, len(req.prompt_token_ids))
+        sr = SchedRequest(req, len(req.prompt_token_ids), external_end=external_end)
+        self.requests[req.request_id] = sr
         self.waiting.append(req.request_id)
+        if keep:
+            self.keep.add(req.request_id)
+
+    def release(self, request_id: str) -> None:
+        """Free the blocks of a finished request that `add(keep=True)` kept."""
+        self.cache.free(request_id)
 
     def abort(self, request_id: str) -> None:
         """Drop a request now (client went away); its blocks return to the pool."""
         sr = self.requests.pop(request_id, None)
+        self.keep.discard(request_id)
         if sr is None:
             return
         if request_id in self.running:
@@ -159,10 +176,15 @@ class Scheduler:
                     break
                 sr = self.requests[rid]
                 lookup = self.cache.lookup(rid)
-                n = min(sr.num_tokens - lookup.hit_tokens, budget)
+                # the last prompt token is always computed (its logits give the first token)
+                ext_end = min(sr.external_end, sr.num_prompt - 1)
+                ext = max(0, ext_end - lookup.hit_tokens)
+                n = ext + min(sr.num_tokens - lookup.hit_tokens - ext, budget)
                 n = self.cache.split_chunk(rid, n, lookup.hit_tokens)
                 if n <= 0 or not self.cache.allocate(rid, n, lookup):
                     break
+                ext = min(ext, n)
+                sr.external_end = 0  # loaded once; a preempted request recomputes
                 self.waiting.popleft()
                 self.running.append(rid)
                 self.prefix_queries += sr.num_tokens
@@ -170,8 +192,10 @@ class Scheduler:
                 if sr.hit_tokens is None:
                     sr.hit_tokens = lookup.hit_tokens
                 sr.num_computed = lookup.hit_tokens
-                plan.scheduled.append(Scheduled(rid, n, new=True, cached_tokens=lookup.hit_tokens))
-                budget -= n
+                plan.scheduled.append(
+                    Scheduled(rid, n, new=True, cached_tokens=lookup.hit_tokens, external=ext)
+                )
+                budget -= n - ext
         # Scheduled chunks now count as computed (vLLM's _update_after_schedule).
         for s in plan.scheduled:
             self.requests[s.request_id].num_computed += s.num_tokens
@@ -212,6 +236,10 @@ class Scheduler:
         for rid in result.finished:
             self.running.remove(rid)
             del self.requests[rid]
-            self.cache.free(rid)
+            if rid in self.keep:
+                self.keep.discard(rid)
+                result.kept.append(rid)
+            else:
+                self.cache.free(rid)
         result.events = self.cache.end_step()
         return result

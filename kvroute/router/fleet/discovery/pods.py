@@ -134,6 +134,8 @@ def worker_from_pod(pod: Mapping[str, object], defaults: PodDefaults) -> WorkerS
             "bridge": bridge,
             "dp_rank": int(dp) if dp is not None else 0,
             "model": _setting(meta, "model") or None,
+            # not `kvroute.io/role`: that label already marks a pod as a worker for the selector
+            "role": _setting(meta, "pd-role") or None,
             "instance": uid if isinstance(uid, str) else "",
         }
     )

@@ -17,8 +17,9 @@ _HOST_PORT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):(\d{1,5})$")
 _URL = re.compile(r"^https?://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+)(:\d{1,5})?(/[^\s]*)?$")
 _ZMQ = re.compile(r"^(tcp|ipc|inproc)://\S+$")
 _KEYS = frozenset(
-    {"name", "url", "bridge", "zmq", "replay", "topic", "dp_rank", "model", "instance"}
+    {"name", "url", "bridge", "zmq", "replay", "topic", "dp_rank", "model", "instance", "role"}
 )
+ROLES = ("both", "prefill", "decode")
 MAX_DP_RANK = 1 << 16
 
 
@@ -39,6 +40,7 @@ class WorkerSpec:
     dp_rank: int = 0
     model: str | None = None
     instance: str = ""
+    role: str = "both"
 
 
 def valid_worker_name(name: str) -> bool:
@@ -104,6 +106,11 @@ def parse_worker(obj: object) -> WorkerSpec:
     model = _str(obj, "model")
     if model is not None and not model.strip():
         raise WorkerSpecError("model: empty")
+    role = _str(obj, "role") or "both"
+    if role not in ROLES:
+        raise WorkerSpecError(f"role: expected one of {', '.join(ROLES)}, got {role!r}")
+    if role != "both" and model is None:
+        raise WorkerSpecError(f"model: a {role} worker must name its model")
     return WorkerSpec(
         name=name,
         url=url,
@@ -114,6 +121,7 @@ def parse_worker(obj: object) -> WorkerSpec:
         dp_rank=dp_rank,
         model=model,
         instance=_str(obj, "instance") or "",
+        role=role,
     )
 
 

@@ -124,6 +124,7 @@
 
       const name = td();
       name.appendChild(el("div", w.name, "name"));
+      if (w.role && w.role !== "both") name.appendChild(el("div", w.role + " worker", "role"));
       name.appendChild(el("div", w.url, "muted"));
       tr.appendChild(name);
 
@@ -250,6 +251,18 @@
     return wrap;
   }
 
+  // The chosen worker; for a disaggregated request, "prefill → decode" with every try.
+  function chosenCell(d) {
+    const cell = td(d.chosen || "–");
+    const pd = d.pd;
+    if (!pd || !pd.decode.length) return cell;
+    cell.classList.add("pd");
+    cell.textContent = (d.chosen || "–") + " → " + pd.decode[pd.decode.length - 1].worker;
+    const tries = (list) => list.map((a) => a.worker + " " + a.outcome).join(", ");
+    cell.title = "prefill: " + tries(pd.prefill) + "; decode: " + tries(pd.decode);
+    return cell;
+  }
+
   function renderDecisions(data) {
     const body = $("decisions").querySelector("tbody");
     const rows = data.decisions.slice().reverse(); // newest first
@@ -271,7 +284,7 @@
           " of the router's token ids (send_token_ids): the engine did not tokenize it again";
       }
       tr.appendChild(prompt);
-      tr.appendChild(td(d.chosen || "–"));
+      tr.appendChild(chosenCell(d));
       const reason = td(d.reason);
       reason.title = d.detail || "";
       tr.appendChild(reason);

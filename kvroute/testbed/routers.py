@@ -102,7 +102,7 @@ ROUTERS: dict[str, RouterSpec] = {
             "kvroute (default, cold requests on the session hash at any load, the earlier rule)",
             "kvroute",
             "ttft",
-            (("KVROUTE_POLICY__SESSION_SLACK_TOKENS", "1e12"),),
+            (("KVROUTE_POLICY__SESSION_SLACK_TOKENS", "1000000000000"),),
         ),
         RouterSpec(
             "kvroute-configured-release",
@@ -116,7 +116,7 @@ ROUTERS: dict[str, RouterSpec] = {
             "kvroute (default, no worker saturated by its queued prefill: no spill for a queue)",
             "kvroute",
             "ttft",
-            (("KVROUTE_POLICY__SATURATION_QUEUE_S", "1e9"),),
+            (("KVROUTE_POLICY__SATURATION_QUEUE_S", "1000000000"),),
         ),
         RouterSpec(
             "kvroute-unbounded-home",

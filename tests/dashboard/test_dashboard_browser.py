@@ -8,6 +8,7 @@ the tests skip, unless KVROUTE_REQUIRE_BROWSER=1 (as in `make test`), where they
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -59,8 +60,10 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveRun]:
         run.stop()
 
 
-@pytest.fixture()
-def page(tmp_path: Path) -> Iterator[Any]:
+@contextlib.contextmanager
+def open_page(tmp_path: Path) -> Iterator[Any]:
+    """A headless Chromium page with a fresh profile; fails if the page raised a JavaScript
+    error by the time the block ends."""
     _need_browser()
     from playwright.sync_api import sync_playwright
 
@@ -82,6 +85,12 @@ def page(tmp_path: Path) -> Iterator[Any]:
             assert not errors, f"JavaScript errors on the page: {errors}"
         finally:
             ctx.close()
+
+
+@pytest.fixture()
+def page(tmp_path: Path) -> Iterator[Any]:
+    with open_page(tmp_path) as pg:
+        yield pg
 
 
 def _chat(content: str) -> dict[str, Any]:

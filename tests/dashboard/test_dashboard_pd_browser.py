@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.dashboard.test_dashboard_browser import CHROMIUM, FLAGS, TIMEOUT_MS, _need_browser
+from tests.dashboard.test_dashboard_browser import _need_browser, open_page
 from tests.router.pd_rig import ADMIN, PdRig, pd_rig
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(180)]
@@ -25,25 +25,8 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PdRig]:
 
 @pytest.fixture()
 def page(tmp_path: Path) -> Iterator[Any]:
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as pw:
-        ctx = pw.chromium.launch_persistent_context(
-            str(tmp_path / "profile"),
-            executable_path=str(CHROMIUM),
-            args=FLAGS,
-            headless=True,
-            viewport={"width": 1400, "height": 1000},
-        )
-        ctx.set_default_timeout(TIMEOUT_MS)
-        try:
-            pg = ctx.new_page()
-            errors: list[str] = []
-            pg.on("pageerror", lambda exc: errors.append(str(exc)))
-            yield pg
-            assert not errors, f"JavaScript errors on the page: {errors}"
-        finally:
-            ctx.close()
+    with open_page(tmp_path) as pg:
+        yield pg
 
 
 def test_decisions_show_prefill_and_decode_workers_and_roles(rig: PdRig, page: Any) -> None:

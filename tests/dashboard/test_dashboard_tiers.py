@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from bench.instant_engine import running_engine
-from tests.dashboard.test_dashboard_browser import CHROMIUM, FLAGS, TIMEOUT_MS, _need_browser
+from tests.dashboard.test_dashboard_browser import _need_browser, open_page
 from tests.router.test_tier_serve import ADMIN, PROMPTS, tier_router
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(180)]
@@ -59,43 +59,26 @@ def router_url(tmp_path: Path) -> Iterator[str]:
 
 
 def test_decisions_and_scores_show_tokens_per_tier(router_url: str, tmp_path: Path) -> None:
-    from playwright.sync_api import sync_playwright
-
     n = len(PROMPTS["b"]) - 1
-    with sync_playwright() as pw:
-        ctx = pw.chromium.launch_persistent_context(
-            str(tmp_path / "profile"),
-            executable_path=str(CHROMIUM),
-            args=FLAGS,
-            headless=True,
-            viewport={"width": 1400, "height": 1000},
-        )
-        ctx.set_default_timeout(TIMEOUT_MS)
-        try:
-            page = ctx.new_page()
-            errors: list[str] = []
-            page.on("pageerror", lambda exc: errors.append(str(exc)))
-            page.goto(f"{router_url}/dashboard#token={ADMIN}")
-            # the routed request's decision: w1 chosen, its CPU tokens named on its chip
-            chosen = page.locator("#decisions tbody tr").first.locator(".score.chosen")
-            chosen.wait_for()
-            text = chosen.inner_text()
-            assert text.startswith("w1") and f"+ {n:,} CPU" in text
-            # scoring prompt A (w1 has it in CPU memory, w2 on GPU; prompt B, just routed to
-            # w1, is expected on its GPU now): the reuse cell names the CPU tier's tokens
-            body: dict[str, Any] = {"model": "m", "prompt": PROMPTS["a"]}
-            page.fill("#score-input", json.dumps(body))
-            page.click("#score-form button[type=submit]")
-            page.locator("#score-table tbody tr").nth(2).wait_for()
-            cells = {
-                r.get_attribute("data-worker"): r.locator("td.reuse")
-                for r in page.locator("#score-table tbody tr").all()
-            }
-            assert cells["w1"].get_attribute("data-cpu") == str(n)
-            assert f"+ {n:,} CPU" in cells["w1"].inner_text()
-            for other in ("w0", "w2"):
-                assert cells[other].get_attribute("data-cpu") == "0"
-                assert "CPU" not in cells[other].inner_text()
-            assert not errors, f"JavaScript errors on the page: {errors}"
-        finally:
-            ctx.close()
+    with open_page(tmp_path) as page:
+        page.goto(f"{router_url}/dashboard#token={ADMIN}")
+        # the routed request's decision: w1 chosen, its CPU tokens named on its chip
+        chosen = page.locator("#decisions tbody tr").first.locator(".score.chosen")
+        chosen.wait_for()
+        text = chosen.inner_text()
+        assert text.startswith("w1") and f"+ {n:,} CPU" in text
+        # scoring prompt A (w1 has it in CPU memory, w2 on GPU; prompt B, just routed to
+        # w1, is expected on its GPU now): the reuse cell names the CPU tier's tokens
+        body: dict[str, Any] = {"model": "m", "prompt": PROMPTS["a"]}
+        page.fill("#score-input", json.dumps(body))
+        page.click("#score-form button[type=submit]")
+        page.locator("#score-table tbody tr").nth(2).wait_for()
+        cells = {
+            r.get_attribute("data-worker"): r.locator("td.reuse")
+            for r in page.locator("#score-table tbody tr").all()
+        }
+        assert cells["w1"].get_attribute("data-cpu") == str(n)
+        assert f"+ {n:,} CPU" in cells["w1"].inner_text()
+        for other in ("w0", "w2"):
+            assert cells[other].get_attribute("data-cpu") == "0"
+            assert "CPU" not in cells[other].inner_text()

@@ -526,19 +526,11 @@ class Proxy:
                     else:
                         first = await resp.read()
             except UpstreamPoolTimeout as exc:
-                # the router's own connections are all busy: another worker would not help
-                retry_after = self._cfg.timeouts.retry_after_s
-                error = RouterError(POOL_WAIT, str(exc), retry_after=retry_after)
-                return _Failure("pool_wait", error, final=True)
+                return self._pool_wait_failure(exc)
             except UpstreamError as exc:
-                timed_out = isinstance(exc, UpstreamTimeout)
-                cause = "timeout" if timed_out else "connect"
-                metrics.child(metrics.upstream, worker.name, cause).inc()
-                breaker.record_failure(self._clock())
                 verdict = True
-                kind = UPSTREAM_TIMEOUT if timed_out else UPSTREAM
                 final = exc.sent and req.endpoint not in _RETRY_AFTER_SEND
-                return _Failure(cause, RouterError(kind, f"{worker.name}: {exc}"), final=final)
+                return self._upstream_failure(worker, exc, final=final)
             except TimeoutError:
                 metrics.child(metrics.upstream, worker.name, "timeout").inc()
                 return self._past_deadline()
@@ -710,19 +702,14 @@ class Proxy:
                 self._ratelog.warning("pd_handoff", "%s: %s", worker.name, exc)
                 return _Failure("no_params", RouterError(UPSTREAM, f"{worker.name}: {exc}"))
         except UpstreamPoolTimeout as exc:
-            retry_after = self._cfg.timeouts.retry_after_s
-            error = RouterError(POOL_WAIT, str(exc), retry_after=retry_after)
-            return _Failure("pool_wait", error, final=True)
+            return self._pool_wait_failure(exc)
         except UpstreamError as exc:
-            timed_out = isinstance(exc, UpstreamTimeout)
-            outcome = "timeout" if timed_out else "connect"
-            metrics.child(metrics.upstream, worker.name, outcome).inc()
-            breaker.record_failure(self._clock())
             verdict = True
-            kind = UPSTREAM_TIMEOUT if timed_out else UPSTREAM
             # retried even when sent: a prefill gives the client nothing, and its kept
             # blocks are freed when vLLM's lease runs out
-            return _Failure(outcome, RouterError(kind, f"{worker.name}: {exc}"))
+            failure = self._upstream_failure(worker, exc, final=False)
+            outcome = failure.cause
+            return failure
         except TimeoutError:
             outcome = "deadline"
             metrics.child(metrics.upstream, worker.name, "timeout").inc()
@@ -735,6 +722,22 @@ class Proxy:
             if not verdict:
                 breaker.release()
             self._registry.request_finished(worker)
+
+    def _pool_wait_failure(self, exc: UpstreamPoolTimeout) -> _Failure:
+        """The router's own connections are all busy: another worker would not help."""
+        retry_after = self._cfg.timeouts.retry_after_s
+        return _Failure(
+            "pool_wait", RouterError(POOL_WAIT, str(exc), retry_after=retry_after), final=True
+        )
+
+    def _upstream_failure(self, worker: Worker, exc: UpstreamError, *, final: bool) -> _Failure:
+        """A connect error or timeout on `worker`: counted, and held against its breaker."""
+        timed_out = isinstance(exc, UpstreamTimeout)
+        cause = "timeout" if timed_out else "connect"
+        self._metrics.child(self._metrics.upstream, worker.name, cause).inc()
+        worker.breaker.record_failure(self._clock())
+        kind = UPSTREAM_TIMEOUT if timed_out else UPSTREAM
+        return _Failure(cause, RouterError(kind, f"{worker.name}: {exc}"), final=final)
 
     def _prefill_ended(
         self,

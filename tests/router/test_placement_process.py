@@ -104,14 +104,20 @@ def _new_conversations(url: str, model: str, tag: str, count: int) -> list[tuple
     return out
 
 
-def test_capacity_is_read_from_the_engines(routers: Routers) -> None:
+def wait_for_capacity(routers: Routers) -> dict[str, dict[str, Any]]:
+    """Each worker's `capacity` on the placement router once both pools are known (or after
+    20 s)."""
     deadline = time.monotonic() + 20
     while True:
         workers = _workers(routers.placement)
         caps = {n: w["capacity"] for n, w in workers.items()}
         if all(c["tokens"] is not None for c in caps.values()) or time.monotonic() > deadline:
-            break
+            return caps
         time.sleep(0.2)
+
+
+def test_capacity_is_read_from_the_engines(routers: Routers) -> None:
+    caps = wait_for_capacity(routers)
     assert len(caps) == 2
     for cap in caps.values():
         assert cap["engine"] == {
@@ -123,7 +129,7 @@ def test_capacity_is_read_from_the_engines(routers: Routers) -> None:
 
 
 def test_new_conversations_spread_by_working_set(routers: Routers) -> None:
-    test_capacity_is_read_from_the_engines(routers)
+    assert all(c["tokens"] == BLOCKS * 16 for c in wait_for_capacity(routers).values())
     placed = _new_conversations(routers.default, routers.model, "d", 8)
     sizes = [n for _, n in placed]
     assert all(500 < n < 1000 for n in sizes), sizes  # about 3.5 conversations per pool

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import time
 import urllib.request
@@ -147,3 +148,29 @@ def test_new_conversations_spread_by_working_set(routers: Routers) -> None:
         # every worker's expected working set fits its pool, or nearly (one conversation)
         assert ws["tokens"] <= w["capacity"]["tokens"] + max(n for _, n in placed)
         assert w["capacity"]["peak_blocks_per_group"]  # the events' view of the pool
+
+
+def test_inspect_shows_each_workers_pool_and_working_set(routers: Routers) -> None:
+    wait_for_capacity(routers)
+    _new_conversations(routers.placement, routers.model, "i", 2)
+    workers = _workers(routers.placement)
+    cmd = [sys.executable, "-m", "kvroute", "inspect", "--router", routers.placement]
+    cmd += ["--model", routers.model, "--prompt", "hello"]
+    base = {k: v for k, v in os.environ.items() if not k.startswith("KVROUTE_")}
+    done = subprocess.run(
+        cmd, env={**base, "KVROUTE_ADMIN__TOKEN": ADMIN}, capture_output=True, text=True,
+        timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    header = next(line.split() for line in lines if line.startswith("worker"))
+    pool, ws = header.index("pool"), header.index("working_set")
+    rows = {}
+    for line in lines:
+        cells = [c for c in line.split() if c != "*"]  # the chosen worker's mark
+        if cells and cells[0] in workers:
+            rows[cells[0]] = cells
+    assert set(rows) == set(workers)
+    for name, cells in rows.items():
+        assert cells[pool] == str(BLOCKS * 16)
+        assert cells[ws] == str(workers[name]["working_set"]["tokens"])

@@ -149,6 +149,9 @@ class Admin:
                 "eligible": w.name in by_name,
                 "events_live": w.name not in down if (w.spec.bridge or w.spec.zmq) else None,
                 "predicted_reuse": reuse.get(w.name),
+                # the worker's pool and the prompt tokens of the conversations expected back
+                "pool_tokens": w.load.capacity.tokens(),
+                "working_set_tokens": routing.working_set.tokens(w.name),
             }
             exp = explained.get(w.name)
             if exp is not None:

@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+# a conversation's identity: ("session", its key) or ("chain", its last prompt's last key)
+Ident = tuple[str, str | int]
 # how fast a conversation's return interval follows a new gap (one gap moves it by a third)
 INTERVAL_ALPHA = 1 / 3
 # how fast the fleet's average gap follows each conversation's gap
@@ -38,7 +40,7 @@ WRITE_TAU_S = 30.0
 class Conversation:
     """One conversation the router expects back."""
 
-    ident: Hashable  # ("session", key) or ("chain", last key)
+    ident: Ident  # ("session", key) or ("chain", last key)
     worker: str
     tokens: int  # prompt tokens of its last turn (what its next turn would reuse)
     last_at: float  # when its last turn was routed
@@ -80,8 +82,10 @@ class WorkingSet:
         self.max_entries = max_entries
         self.idle_s = idle_s
         self.mean_interval_s = prior_interval_s  # the fleet's average gap between turns
-        self._all: OrderedDict[Hashable, Conversation] = OrderedDict()  # oldest first
-        self._by_worker: dict[str, OrderedDict[Hashable, Conversation]] = {}
+        self._all: OrderedDict[Ident, Conversation] = OrderedDict()  # oldest first
+        # key-chain entries by their last key (plain ints: the walk in `find` is hot)
+        self._chains: dict[int, Conversation] = {}
+        self._by_worker: dict[str, OrderedDict[Ident, Conversation]] = {}
         self._tokens: dict[str, int] = {}
         self._writes: dict[str, _Writes] = {}
         self.forgotten = 0  # entries dropped at max_entries
@@ -91,7 +95,7 @@ class WorkingSet:
         return len(self._all)
 
     @staticmethod
-    def identity(session: str | None, keys: Sequence[int] | None) -> Hashable | None:
+    def identity(session: str | None, keys: Sequence[int] | None) -> Ident | None:
         """A conversation's identity as `note` takes it: the session, else the key chain's
         last key (None when the request has neither)."""
         if session is not None:
@@ -107,9 +111,12 @@ class WorkingSet:
             return self._all.get(("session", session))
         if not keys:
             return None
-        get = self._all.get
+        chains = self._chains
+        if chains.keys().isdisjoint(reversed(keys)):  # a new conversation: one C-level pass
+            return None
+        get = chains.get
         for key in reversed(keys):
-            found = get(("chain", key))
+            found = get(key)
             if found is not None:
                 return found
         return None
@@ -194,11 +201,17 @@ class WorkingSet:
 
     def _add(self, entry: Conversation) -> None:
         self._all[entry.ident] = entry
+        kind, key = entry.ident
+        if kind == "chain" and isinstance(key, int):
+            self._chains[key] = entry
         self._by_worker.setdefault(entry.worker, OrderedDict())[entry.ident] = entry
         self._tokens[entry.worker] = self._tokens.get(entry.worker, 0) + entry.tokens
 
     def _drop(self, entry: Conversation) -> None:
         del self._all[entry.ident]
+        kind, key = entry.ident
+        if kind == "chain" and isinstance(key, int):
+            del self._chains[key]
         per = self._by_worker[entry.worker]
         del per[entry.ident]
         left = self._tokens[entry.worker] - entry.tokens

@@ -3,11 +3,15 @@ engine export it, and the most blocks the events showed per group."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 
 from kvroute.router.fleet.capacity import EngineCache, KvCapacity, parse_cache_config
 from kvroute.sim.engine.core import EngineConfig
 from kvroute.sim.engine.metrics import EngineMetrics, kv_cache_size_tokens
+from tests.sim.vllm_env import vllm_python
 
 
 def vllm_page(engines: dict[str, dict[str, str]]) -> str:
@@ -84,3 +88,42 @@ def test_peaks_only_rise() -> None:
     assert cap.tokens() is None  # the events' peak is shown, never priced
     cap.engine = EngineCache(100, 16, None)
     assert cap.tokens() == 1600
+
+
+VLLM_CAPACITY = """
+import json, sys, torch
+from types import SimpleNamespace as NS
+from vllm.v1.core.kv_cache_utils import get_max_concurrency_for_kv_cache_config
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec,
+)
+blocks, length, in_flight, window = (int(a) for a in sys.argv[1:])
+config = NS(max_in_flight_tokens=in_flight, model_config=NS(max_model_len=length),
+            parallel_config=NS(decode_context_parallel_size=1),
+            cache_config=NS(mamba_cache_mode="none"))
+heads = dict(num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
+layouts = {"dense": [FullAttentionSpec(16, **heads)],
+           "swa": [FullAttentionSpec(16, **heads),
+                   SlidingWindowSpec(16, sliding_window=window, **heads)]}
+out = {}
+for name, specs in layouts.items():
+    groups = [KVCacheGroupSpec([f"layer{i}"], s) for i, s in enumerate(specs)]
+    kv = KVCacheConfig(num_blocks=blocks, kv_cache_tensors=[], kv_cache_groups=groups)
+    out[name] = int(get_max_concurrency_for_kv_cache_config(config, kv) * length)
+print(json.dumps(out))
+"""
+
+
+def test_the_simulated_capacity_is_what_vllm_computes() -> None:
+    """vLLM 0.33's own capacity function on the same layouts gives the same tokens."""
+    python = vllm_python()
+    swa = EngineConfig(profile="swa", num_blocks=600, max_model_len=4096).cache_spec()
+    (window,) = {g.sliding_window for g in swa.groups if g.kind == "sliding_window"}
+    args = [str(600), str(4096), str(swa.max_in_flight_tokens), str(window)]
+    done = subprocess.run(
+        [python, "-c", VLLM_CAPACITY, *args], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    vllm = json.loads(done.stdout.strip().splitlines()[-1])
+    dense = EngineConfig(profile="dense", num_blocks=600, max_model_len=4096).cache_spec()
+    assert vllm == {"dense": kv_cache_size_tokens(dense), "swa": kv_cache_size_tokens(swa)}

@@ -104,3 +104,20 @@ def test_the_write_rate_decays_and_the_fleet_interval_learns() -> None:
 def test_a_cap_below_one_is_refused() -> None:
     with pytest.raises(ValueError):
         WorkingSet(max_entries=0, idle_s=1.0, prior_interval_s=1.0)
+
+
+def test_the_same_prompt_again_moves_the_entry_but_is_not_a_return() -> None:
+    ws = WorkingSet(max_entries=10, idle_s=100.0, prior_interval_s=60.0)
+    ws.note(None, chain(1, 2, 3), "w0", 48, 48, now=0.0)
+    ws.note(None, chain(1, 2, 3, 4), "w0", 64, 16, now=20.0)
+    retried = ws.note(None, chain(1, 2, 3, 4), "w1", 64, 64, now=20.1)  # a retry elsewhere
+    assert retried is not None and retried.worker == "w1"
+    assert retried.turns == 2 and retried.interval_s == pytest.approx(20.0)
+    assert ws.tokens("w0") == 0 and ws.tokens("w1") == 64
+    # with a session: the prompt's last key tells a retry from the next turn
+    ws.note("s", chain(7, 8), "w0", 32, 32, now=0.0)
+    again = ws.note("s", chain(7, 8), "w0", 32, 0, now=0.5)
+    assert again is not None and again.turns == 1 and again.interval_s is None
+    later = ws.note("s", chain(7, 8, 9), "w0", 48, 16, now=10.0)
+    # the gap counts from the last time the prompt was sent
+    assert later is not None and later.turns == 2 and later.interval_s == pytest.approx(9.5)

@@ -46,6 +46,7 @@ class Conversation:
     last_at: float  # when its last turn was routed
     interval_s: float | None = None  # moving average of the gaps between its turns
     turns: int = 1
+    prompt_key: int | None = None  # its last prompt's last key (a retry repeats it)
 
 
 @dataclass(slots=True)
@@ -139,17 +140,22 @@ class WorkingSet:
         self.expire(now)
         self._writes.setdefault(worker, _Writes()).add(max(0, written), now)
         parent = self.find(session, keys)
-        entry = Conversation(ident, worker, tokens, now)
+        last_key = keys[-1] if keys else None
+        entry = Conversation(ident, worker, tokens, now, prompt_key=last_key)
         if parent is not None:
             self._drop(parent)
             gap = now - parent.last_at
-            if gap > 0:
+            if last_key is not None and parent.prompt_key == last_key:
+                # the same prompt again (a retry on another worker, a re-sent request):
+                # it moves, but it is not a return
+                entry.interval_s, entry.turns = parent.interval_s, parent.turns
+            elif gap > 0:
                 prior = parent.interval_s
                 entry.interval_s = gap if prior is None else prior + INTERVAL_ALPHA * (gap - prior)
                 self.mean_interval_s += MEAN_ALPHA * (gap - self.mean_interval_s)
+                entry.turns = parent.turns + 1
             else:
-                entry.interval_s = parent.interval_s
-            entry.turns = parent.turns + 1
+                entry.interval_s, entry.turns = parent.interval_s, parent.turns + 1
         self._add(entry)
         while len(self._all) > self.max_entries:
             self._drop(next(iter(self._all.values())))

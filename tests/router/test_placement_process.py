@@ -127,6 +127,10 @@ def test_capacity_is_read_from_the_engines(routers: Routers) -> None:
             "kv_cache_size_tokens": BLOCKS * 16,
         }
         assert cap["tokens"] == BLOCKS * 16
+    with urllib.request.urlopen(routers.placement + "/metrics", timeout=10) as resp:
+        page = resp.read().decode()
+    for name in caps:
+        assert f'kvroute_worker_kv_capacity_tokens{{worker="{name}"}} {float(BLOCKS * 16)}' in page
 
 
 def test_new_conversations_spread_by_working_set(routers: Routers) -> None:

@@ -130,11 +130,13 @@ class _Housekeeping:
         verifier: Verifier,
         policy: Policy,
         metrics: RouterMetrics,
+        routing: Routing,
     ) -> None:
         self._probes = probes
         self._verifier = verifier
         self._policy = policy
         self._metrics = metrics
+        self._routing = routing
         self.started = False
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -153,6 +155,7 @@ class _Housekeeping:
     def worker_removed(self, worker: Worker) -> None:
         self._verifier.forget(worker.name)
         self._policy.forget_worker(worker.name)
+        self._routing.working_set.forget_worker(worker.name)
         self._metrics.forget_worker(worker.name)
 
 
@@ -277,6 +280,23 @@ def create_app(
     )
     metrics.registry.register(
         ScalarGauge(
+            "kvroute_working_set_conversations",
+            "Conversations this router expects back on its workers (bounded by "
+            "policy.working_set_max_conversations)",
+            lambda: len(routing.working_set),
+        )
+    )
+    metrics.registry.register(
+        ScalarGauge(
+            "kvroute_working_set_forgotten",
+            "Conversations forgotten at policy.working_set_max_conversations (least recently "
+            "routed first); a fast rise means the bound is too small for the traffic",
+            lambda: routing.working_set.forgotten,
+            counter=True,
+        )
+    )
+    metrics.registry.register(
+        ScalarGauge(
             "kvroute_event_loop_stalled_seconds",
             "Time this process's event loop could not run (late by 5 ms or more) while an "
             "upstream connect or probe was pending; their timeouts do not count it",
@@ -301,12 +321,22 @@ def create_app(
         max_s=cfg.load.metrics_max_interval_s,
         kv_quiet_below=KV_QUIET_FRACTION * cfg.policy.kv_usage_saturation,
     )
-    housekeeping = _Housekeeping([health, models_probe, metrics_probe], verifier, policy, metrics)
+
+    async def peak_blocks(worker: Worker) -> None:
+        # the most blocks the index has seen each KV group of the worker hold
+        stats = index.stats(worker.name)
+        if stats is not None:
+            worker.load.capacity.observe_blocks(stats.blocks_per_group)
+
+    housekeeping = _Housekeeping(
+        [health, models_probe, metrics_probe], verifier, policy, metrics, routing
+    )
     registry.listen(housekeeping)
     jobs = [
         Periodic("health", registry, health, cfg.health.interval_s),
         Periodic("models", registry, models_probe, cfg.health.models_interval_s),
         Periodic("metrics", registry, metrics_probe, cfg.load.metrics_interval_s),
+        Periodic("peak_blocks", registry, peak_blocks, cfg.load.metrics_interval_s),
     ]
     admin = Admin(
         AdminTokens.from_config(cfg.admin),

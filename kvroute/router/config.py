@@ -151,6 +151,24 @@ class PolicyConfig:
         "prompt index keys remembered with the session that asked for them, for "
         "junction_shared_only (>= 1; the oldest are forgotten first)",
     )
+    placement_weight: float = _f(
+        0.0,
+        "weight (>= 0) of the expected re-prefill of the conversations a placement pushes out "
+        "of a worker's KV pool (1 = at their prefill time); 0 = off",
+    )
+    working_set_max_conversations: int = _f(
+        65_536,
+        "conversations remembered per router as each worker's working set (>= 1; the least "
+        "recently routed are forgotten first)",
+    )
+    working_set_idle_s: float = _f(
+        1800.0, "a conversation not seen for this many seconds (> 0) leaves the working set"
+    )
+    return_interval_s: float = _f(
+        60.0,
+        "expected gap between a conversation's turns, seconds (> 0), until the router has "
+        "measured gaps (then their average)",
+    )
     session_header: str = _f("x-session-id", "request header holding the session key")
     session_field: str = _f("user", "request body field holding the session key")
     session_bounded_load: float = _f(

@@ -335,6 +335,8 @@ def validate(c: RouterConfig) -> list[str]:
         "storage_tier_tokens_per_s",
         "saturation_queue_s",
         "session_bounded_load",
+        "working_set_idle_s",
+        "return_interval_s",
     ):
         need(getattr(p, key) > 0, f"policy.{key}: expected a number > 0")
     need(p.tokens_per_running >= 0, "policy.tokens_per_running: expected >= 0")
@@ -342,6 +344,11 @@ def validate(c: RouterConfig) -> list[str]:
     need(p.step_wait_weight >= 0, "policy.step_wait_weight: expected >= 0")
     need(p.affinity_weight >= 0, "policy.affinity_weight: expected >= 0")
     need(p.sharing_max_keys >= 1, "policy.sharing_max_keys: expected >= 1")
+    need(p.placement_weight >= 0, "policy.placement_weight: expected >= 0")
+    need(
+        p.working_set_max_conversations >= 1,
+        "policy.working_set_max_conversations: expected >= 1",
+    )
     need(p.queue_weight >= 0, "policy.queue_weight: expected >= 0")
     need(p.session_bounded_load >= 1, "policy.session_bounded_load: expected >= 1")
     need(p.session_slack_tokens >= 0, "policy.session_slack_tokens: expected >= 0")

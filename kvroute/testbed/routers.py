@@ -49,6 +49,13 @@ ROUTERS: dict[str, RouterSpec] = {
             "kvroute-fa-only", "kvroute full-attention only", "kvroute", "full_attention_only"
         ),
         RouterSpec(
+            "kvroute-placement",
+            "kvroute (default + placement by working set)",
+            "kvroute",
+            "ttft",
+            (("KVROUTE_POLICY__PLACEMENT_WEIGHT", "1"),),
+        ),
+        RouterSpec(
             "kvroute-step-wait",
             "kvroute (default + step wait)",
             "kvroute",

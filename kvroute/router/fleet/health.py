@@ -15,6 +15,7 @@ import msgspec
 
 from kvroute.router.config import HealthConfig
 from kvroute.router.edge.upstream import Upstream, UpstreamError
+from kvroute.router.fleet.capacity import parse_cache_config
 from kvroute.router.fleet.load import EngineMetrics, parse_engine_metrics
 from kvroute.router.fleet.workers import Worker, WorkerRegistry
 from kvroute.router.ops.metrics import RouterMetrics
@@ -176,9 +177,13 @@ class MetricsProbe:
             return
         if status != 200:
             return
-        parsed = parse_engine_metrics(body.decode("utf-8", "replace"), worker.spec.dp_rank)
+        text = body.decode("utf-8", "replace")
+        parsed = parse_engine_metrics(text, worker.spec.dp_rank)
         if parsed is None:
             return
+        cache = parse_cache_config(text, worker.spec.dp_rank)
+        if cache is not None:
+            load.capacity.engine = cache
         running, waiting, usage = parsed
         now = self._clock()
         # A request sent while the scrape was on its way may already be in the engine's

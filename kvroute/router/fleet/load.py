@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from kvroute.router.fleet.capacity import KvCapacity
 from kvroute.router.fleet.step_clock import StepClock
 
 RUNNING = "vllm:num_requests_running"
@@ -66,6 +67,7 @@ class WorkerLoad:
     started_total: int = 0
     steps: StepClock = field(default_factory=StepClock)  # learned from relayed stream chunks
     scrape: ScrapeBackoff = field(default_factory=ScrapeBackoff)
+    capacity: KvCapacity = field(default_factory=KvCapacity)  # the engine's and the events'
 
     def others(self, now: float, stale_after: float) -> tuple[int, int]:
         """(running, waiting) requests the engine had that this process did not send."""

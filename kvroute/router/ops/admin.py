@@ -149,6 +149,9 @@ class Admin:
                 "eligible": w.name in by_name,
                 "events_live": w.name not in down if (w.spec.bridge or w.spec.zmq) else None,
                 "predicted_reuse": reuse.get(w.name),
+                # the worker's pool and the prompt tokens of the conversations expected back
+                "pool_tokens": w.load.capacity.tokens(),
+                "working_set_tokens": routing.working_set.tokens(w.name),
             }
             exp = explained.get(w.name)
             if exp is not None:
@@ -227,6 +230,15 @@ class Admin:
             },
         }
         stats = self._index.stats(w.name)
+        if stats is not None:
+            w.load.capacity.observe_blocks(stats.blocks_per_group)
+        out["capacity"] = _capacity_json(w)
+        ws = self._routing.working_set.summary(w.name, now)
+        out["working_set"] = {
+            "conversations": ws.conversations,
+            "tokens": ws.tokens,
+            "write_tokens_per_s": round(ws.write_tokens_per_s, 3),
+        }
         out["index"] = (
             None
             if stats is None
@@ -352,3 +364,20 @@ def _guess_endpoint(body: object) -> str:
         if "input" in body:
             return RESPONSES
     return CHAT
+
+
+def _capacity_json(w: Worker) -> dict[str, Any]:
+    """The worker's pool as its engine reports it, and the most blocks the index saw."""
+    cap = w.load.capacity
+    e = cap.engine
+    return {
+        "tokens": cap.tokens(),
+        "engine": None
+        if e is None
+        else {
+            "num_gpu_blocks": e.num_gpu_blocks,
+            "block_size": e.block_size,
+            "kv_cache_size_tokens": e.kv_cache_size_tokens,
+        },
+        "peak_blocks_per_group": {str(k): v for k, v in sorted(cap.peak_blocks.items())},
+    }

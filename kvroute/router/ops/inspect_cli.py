@@ -128,7 +128,7 @@ def render(answer: dict[str, Any]) -> str:
     lines.append("")
     header = [
         "worker", "role", "status", "reuse", "fa_only", "uncached", "running", "queued", "kv",
-        "est_ttft_s", "decode_cost_s", "groups",
+        "est_ttft_s", "decode_cost_s", "pool", "working_set", "groups",
     ]  # fmt: skip
     rows = [header]
     for w in answer["workers"]:
@@ -149,6 +149,8 @@ def render(answer: dict[str, Any]) -> str:
                 _fmt(w.get("kv_usage")),
                 _fmt(w.get("est_ttft_s")),
                 _fmt(decode.get("cost_s") if decode is not None else None),
+                _fmt(w.get("pool_tokens")),
+                _fmt(w.get("working_set_tokens")),
                 _groups(w),
             ]
         )

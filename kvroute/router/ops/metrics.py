@@ -277,9 +277,16 @@ class WorkerStateCollector(Collector):
             "kvroute_worker_step_period_seconds",
             "Engine step period learned from relayed stream chunks (median of recent gaps)",
         )
+        capacity = fam(
+            "kvroute_worker_kv_capacity_tokens",
+            "Tokens the worker's KV pool holds, from vllm:cache_config_info (scraped)",
+        )
         for w in self._workers:
             name = [w.name]
             running.add_metric(name, w.load.running)
+            pool = w.load.capacity.tokens()
+            if pool is not None:
+                capacity.add_metric(name, pool)
             queued.add_metric(name, w.load.queued_prefill_tokens)
             m = w.load.engine
             if m is not None:
@@ -304,4 +311,4 @@ class WorkerStateCollector(Collector):
                     if status.last_message_at is not None:
                         lag.add_metric(name, max(0.0, now - status.last_message_at))
         yield from (running, queued, eng_running, eng_waiting, kv, healthy, breaker, draining)
-        yield from (valid, entries, live, lag, step)
+        yield from (valid, entries, live, lag, step, capacity)

@@ -32,6 +32,8 @@ from kvroute.router.routing.policy import (
     session_key,
 )
 from kvroute.router.routing.prefix_sharing import PrefixSharing
+from kvroute.router.routing.records import PlacementInput
+from kvroute.router.routing.working_set import WorkingSet
 from kvroute.router.tokenize.prefix_cache import tenant_key
 
 log = logging.getLogger("kvroute.router.routing")
@@ -151,6 +153,12 @@ class Routing:
             PrefixSharing(cfg.hash_unit, cfg.sharing_max_keys)
             if cfg.junction_shared_only and cfg.affinity_weight > 0 and policy.needs_reuse
             else None
+        )
+
+        # the conversations expected back on each worker (shown always; priced by the
+        # placement term when policy.placement_weight > 0)
+        self.working_set = WorkingSet(
+            cfg.working_set_max_conversations, cfg.working_set_idle_s, cfg.return_interval_s
         )
 
     @property
@@ -397,6 +405,7 @@ class Routing:
                 f"no healthy worker can serve model `{route.name}` right now",
                 retry_after=self._retry_after,
             )
+        self._note_conversation(decision, prompt)
         # Only prompts with hybrid coverage: a dense fleet (or the full-attention-only index)
         # never uses the answer, and a block nobody noted is credited anyway.
         if self._sharing is not None and prompt.coverage:
@@ -421,7 +430,45 @@ class Routing:
                     own_from = self._sharing.own_from(keys, _owner(key))
                 except Exception as exc:  # route as if the prompt were nobody's history
                     self._sharing_failed(exc)
-        return RouteInput(prompt.n_tokens, reuse, key, prompt.coverage, own_from, prompt.tiers)
+        placement = self._placement(key, prompt) if self.cfg.placement_weight > 0 else None
+        return RouteInput(
+            prompt.n_tokens, reuse, key, prompt.coverage, own_from, prompt.tiers, placement
+        )
+
+    def _conversation_keys(self, prompt: Prompt) -> Sequence[int] | None:
+        """The prompt's key chain when the policy reads reuse (hashed for it anyway)."""
+        return self.keys(prompt) if self.policy.needs_reuse and prompt.cacheable else None
+
+    def _placement(self, session: str | None, prompt: Prompt) -> PlacementInput:
+        """The placement term's input: the working set, this request's conversation and the
+        pools the engines report."""
+        capacity: dict[str, int] = {}
+        for w in self.registry:
+            tokens = w.load.capacity.tokens()
+            if tokens is not None:
+                capacity[w.name] = tokens
+        ws = self.working_set
+        own = ws.find(session, self._conversation_keys(prompt))
+        return PlacementInput(ws, own, capacity, self._clock())
+
+    def _note_conversation(self, decision: Decision, prompt: Prompt) -> None:
+        """Note the routed turn in the working set (a bookkeeping failure is logged, never
+        raised: the request is routed)."""
+        chosen = decision.chosen
+        if chosen is None:
+            return
+        try:
+            self.working_set.note(
+                decision.session_key,
+                self._conversation_keys(prompt),
+                chosen.name,
+                prompt.n_tokens,
+                prompt.n_tokens - (chosen.reuse or 0),
+                self._clock(),
+            )
+        except Exception as exc:
+            self._ratelog.error("working_set", "working set bookkeeping failed: %r", exc)
+            self._metrics.child(self._metrics.errors, "working_set").inc()
 
     def _sharing_failed(self, exc: Exception) -> None:
         self._ratelog.error("sharing", "prefix sharing bookkeeping failed: %r", exc)

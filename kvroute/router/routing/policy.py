@@ -205,11 +205,13 @@ class TTFTPolicy(Policy):
 
     def _cold(self, cands: list[Candidate], req: RouteInput) -> tuple[Candidate, str, str]:
         calm = [c for c in cands if not c.saturated] or cands
+        slack = self.cfg.session_slack_tokens * self.load_model.seconds_per_token()
+        if req.placement is not None:
+            calm = _least_displacing(calm, slack)
         if req.session_key is not None:
             # The hash keeps replicas agreeing and a fleet without events sticky, but only
             # among the workers about as fast as the fastest: nothing here is cached, so
             # waiting behind another prompt's prefill buys nothing.
-            slack = self.cfg.session_slack_tokens * self.load_model.seconds_per_token()
             limit = min(c.est_ttft_s for c in calm) + slack
             near = [c for c in calm if c.est_ttft_s <= limit]
             chosen = self.session.pick(near, req.session_key)
@@ -217,6 +219,17 @@ class TTFTPolicy(Policy):
                 return chosen, SESSION, "no cache evidence; session affinity (bounded load)"
         chosen = least_load(calm, self.rotation)
         return chosen, LEAST_LOAD, "no cache evidence and no session key; least load"
+
+
+def _least_displacing(cands: list[Candidate], slack_s: float) -> list[Candidate]:
+    """The candidates whose `placement` term is within `slack_s` of the least: a new
+    conversation goes where it pushes the least expected history out of a pool (all of
+    them when the term pushes nothing out anywhere)."""
+    cost = [c.terms.get("placement", 0.0) for c in cands]
+    least = min(cost)
+    if max(cost) <= least:
+        return cands
+    return [c for c, v in zip(cands, cost, strict=True) if v <= least + slack_s]
 
 
 class FullAttentionOnlyPolicy(TTFTPolicy):

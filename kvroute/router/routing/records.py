@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from kvroute.router.fleet.workers import Worker
 from kvroute.router.routing.index_view import TierReuse
+from kvroute.router.routing.working_set import Conversation, WorkingSet
 
 
 @dataclass(slots=True)
@@ -84,3 +85,17 @@ class RouteInput:
     # per worker, the tokens its lower tiers add beyond its reuse (absent: none); see
     # `kvroute.router.routing.terms.tier_load`
     tiers: Mapping[str, TierReuse] | None = None
+    # the working set and pools, when the placement term is on (None: off)
+    placement: PlacementInput | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PlacementInput:
+    """What the placement term reads (`kvroute.router.routing.terms.placement`): the
+    working set, the conversation this request continues (None: a new one), each worker's
+    pool in tokens (absent: unknown) and the time."""
+
+    working_set: WorkingSet
+    own: Conversation | None
+    capacity: Mapping[str, int]
+    now: float

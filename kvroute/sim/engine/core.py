@@ -162,6 +162,7 @@ class Engine:
         self.tokenizer = tokenizer or SimTokenizer(config.model_dir)
         self.publisher = publisher
         self.metrics = EngineMetrics(config.model)
+        self.metrics.cache_config(config.cache_spec())
         self._vocab = word_token_ids(self.tokenizer)
         self._new_core()
         self.handles: dict[str, RequestHandle] = {}

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from kvroute.sim.cache_api import CacheSpec
+
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -69,6 +71,42 @@ class EngineMetrics:
             LATENCY_BUCKETS,
         )
 
+    def cache_config(self, spec: CacheSpec) -> None:
+        """Export `vllm:cache_config_info` as vLLM does: an info gauge (value 1) whose labels
+        are cache settings, here the ones a router reads (`num_gpu_blocks`, `block_size`, the
+        group-aware `kv_cache_size_tokens`) plus `engine`."""
+        info = Gauge(
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            ("block_size", "enable_prefix_caching", "num_gpu_blocks", "kv_cache_size_tokens",
+             "engine"),
+            registry=self.registry,
+        )  # fmt: skip
+        info.labels(
+            str(spec.scheduler_block_size),
+            str(spec.enable_caching),
+            str(spec.num_blocks),
+            str(kv_cache_size_tokens(spec)),
+            self._labels[1],
+        ).set(1)
+
     def finished(self, reason: str) -> None:
         """Count a request that finished for `reason` (stop, length)."""
         self._success.labels(*self._labels, reason).inc()
+
+
+def kv_cache_size_tokens(spec: CacheSpec) -> int:
+    """vLLM's group-aware capacity: how many max_model_len requests the pool admits (each takes
+    its admission blocks from every group, all from one pool) times max_model_len."""
+    length = spec.max_model_len
+    in_flight = spec.max_in_flight_tokens or length
+    per_request = 0
+    for g in spec.groups:
+        if g.kind == "sliding_window":
+            window = min((g.sliding_window or 0) - 1 + in_flight, length)
+            per_request += -(-window // g.block_size) + 1  # a window may straddle a block
+        elif g.kind == "mamba":
+            per_request += 2  # the state and one prefix-caching checkpoint
+        else:
+            per_request += -(-length // g.block_size)
+    return int(spec.num_blocks / per_request * length)

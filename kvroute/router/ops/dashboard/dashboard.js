@@ -156,6 +156,7 @@
         kv.textContent = "–";
       }
       tr.appendChild(kv);
+      tr.appendChild(poolCell(w));
 
       const groups = td(null, "groups");
       const idx = w.index;
@@ -204,6 +205,36 @@
       body.appendChild(tr);
     }
     $("fleet-summary").textContent = ready + " of " + data.workers.length + " ready";
+  }
+
+  // A worker's KV pool (what its engine reports, and the most blocks its events showed per
+  // group) beside the working set: the conversations this router expects back on it.
+  function poolCell(w) {
+    const cell = td(null, "pool");
+    const cap = w.capacity || {};
+    const ws = w.working_set || {};
+    const pool = el("div", null, "capacity");
+    pool.dataset.tokens = cap.tokens === null || cap.tokens === undefined ? "" : String(cap.tokens);
+    pool.textContent = cap.tokens ? "pool " + num(cap.tokens) + " tokens" : "pool not reported";
+    cell.appendChild(pool);
+    const peaks = Object.entries(cap.peak_blocks_per_group || {});
+    if (peaks.length) {
+      const text = peaks.map(([gid, n]) => kindOf(gid) + " " + num(n)).join(", ");
+      cell.appendChild(el("div", "most blocks seen: " + text, "muted"));
+    }
+    const set = el("div", null, "working-set");
+    set.dataset.conversations = String(ws.conversations || 0);
+    set.dataset.tokens = String(ws.tokens || 0);
+    set.textContent = "working set " + num(ws.conversations || 0) + " conversations, " +
+      num(ws.tokens || 0) + " tokens";
+    if (cap.tokens) {
+      const fill = (ws.tokens || 0) / cap.tokens;
+      cell.appendChild(bar(fill));
+      set.textContent += " (" + (100 * fill).toFixed(0) + "% of the pool)";
+      if (fill > 1) set.classList.add("error");
+    }
+    cell.appendChild(set);
+    return cell;
   }
 
   // ---------------------------------------------------------------- decisions

@@ -11,6 +11,7 @@ from __future__ import annotations
 from kvroute.router.routing.terms.base import Pricing, Term
 from kvroute.router.routing.terms.home_bound import HomeBound
 from kvroute.router.routing.terms.junction import Junction
+from kvroute.router.routing.terms.placement import Placement
 from kvroute.router.routing.terms.prefill import Prefill
 from kvroute.router.routing.terms.queue import Queue
 from kvroute.router.routing.terms.running import Home, Running
@@ -20,7 +21,8 @@ from kvroute.router.routing.terms.tier_load import TierLoad
 __all__ = ["LOAD_TERMS", "ORDER", "TERMS", "Pricing", "Term"]
 
 TERMS: dict[str, type[Term]] = {
-    t.name: t for t in (Queue, Prefill, TierLoad, Running, Home, StepWait, HomeBound, Junction)
+    t.name: t
+    for t in (Queue, Prefill, TierLoad, Running, Home, StepWait, HomeBound, Junction, Placement)
 }
 ORDER: tuple[str, ...] = tuple(TERMS)
 # the estimated TTFT, which every policy computes (the proxy releases queued prefill by it)

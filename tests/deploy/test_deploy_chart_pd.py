@@ -6,8 +6,6 @@ parsed by vLLM 0.33's own `vllm serve` parser (in vLLM's environment)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +23,7 @@ from tests.deploy.test_deploy_chart import (
     objects,
     strip_server_fields,
 )
-from tests.sim.vllm_env import vllm_python
+from tests.sim.vllm_env import run_in_vllm
 
 EXAMPLE = ROOT / "deploy" / "helm" / "examples" / "prefill-decode.yaml"
 VALUES = json.dumps(yaml.safe_load(EXAMPLE.read_text()))
@@ -164,24 +162,12 @@ def test_values_schema_rejects_a_wrong_kv_role() -> None:
 
 @pytest.mark.vllm
 def test_vllm_takes_the_rendered_engine_command_lines() -> None:
-    python = vllm_python()
     prefill = _vllm_args(_workers()["kv-kvroute-worker-prefill"])
     decode = _vllm_args(_workers()["kv-kvroute-worker-decode"])
     at = prefill.index("--kv-transfer-config") + 1
     wrong = [*prefill[:at], '{"kv_connector": "NixlConnector", "kv_role": "prefill"}']
     runner = Path(__file__).with_name("vllm_args_runner.py")
-    proc = subprocess.run(
-        [python, str(runner)],
-        input=json.dumps([prefill, decode, wrong]),
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        timeout=300,
-        check=False,
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("[")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    p, d, bad = json.loads(lines[-1])
+    p, d, bad = run_in_vllm([str(runner)], json.dumps([prefill, decode, wrong]))
     assert "error" not in p and "error" not in d, (p, d)
     assert (p["connector"], p["role"], p["producer"], p["consumer"]) == (
         "NixlConnector",

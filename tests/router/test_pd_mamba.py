@@ -6,19 +6,14 @@ and computes the last token; the router's predictions still match what the engin
 
 from __future__ import annotations
 
-import os
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import yaml
 
-from kvroute.testbed.procs import ProcessGroup, free_port, wait_http
-from kvroute.testbed.sim_fleet import start_fleet
-from tests.router.pd_rig import ADMIN, PdRig
+from kvroute.testbed.procs import ProcessGroup
+from tests.router.pd_rig import PdRig, serve_fleet
 
 SYSTEM = "You explain hybrid models, whose Mamba layers carry a state from token to token. " * 8
 
@@ -27,28 +22,11 @@ SYSTEM = "You explain hybrid models, whose Mamba layers carry a state from token
 def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PdRig]:
     run_dir = tmp_path_factory.mktemp("pd-mamba")
     with ProcessGroup(run_dir) as pg:
-        fleet = start_fleet(
-            pg,
-            workers=0,
-            profile="mamba",
-            run_dir=run_dir,
-            extra_args=["--prefill", "1", "--decode", "1", "--speed", "100"],
+        rig = serve_fleet(
+            pg, run_dir, "mamba", ["--prefill", "1", "--decode", "1", "--speed", "100"]
         )
-        cfg = yaml.safe_load(Path(fleet.config_path).read_text())
-        assert {w["name"]: w["role"] for w in cfg["workers"]} == {
-            "prefill-0": "prefill",
-            "decode-0": "decode",
-        }
-        config = run_dir / "router.yaml"
-        config.write_text(yaml.safe_dump(cfg))
-        port = free_port()
-        cmd = [sys.executable, "-m", "kvroute", "serve", "--config", str(config)]
-        cmd += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
-        env = {"KVROUTE_ADMIN__TOKEN": ADMIN, "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
-        child = pg.start("router", cmd, env=env)
-        url = f"http://127.0.0.1:{port}"
-        wait_http(url + "/health", 60.0, child.popen)
-        yield PdRig(url, port, fleet.model, {e.name: e.url for e in fleet.engines})
+        assert sorted(rig.engines) == ["decode-0", "prefill-0"]
+        yield rig
 
 
 def _queries(url: str) -> float:

@@ -5,16 +5,13 @@ itself is read from vLLM's own scheduler-side code in vLLM's environment."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from vllm_env import ROOT, vllm_python
+from vllm_env import run_in_vllm
 
 from kvroute.sim.engine.core import EngineConfig
 from kvroute.sim.engine.kv_transfer import TransferConfig
@@ -131,18 +128,7 @@ print(json.dumps(out))
 
 @pytest.mark.vllm
 def test_the_split_is_vllm_nixl_connectors() -> None:
-    python = vllm_python()
     n = 97
-    proc = subprocess.run(
-        [python, "-c", _VLLM_SPLIT, str(n)],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        timeout=300,
-        check=False,
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    got = json.loads(lines[-1])
+    got = run_in_vllm(["-c", _VLLM_SPLIT, str(n)])
     assert got["mamba"] == {"producer_runs": n - 1, "consumer_loads": n - 1}
     assert got["dense"] == {"producer_runs": n, "consumer_loads": n}

@@ -94,7 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Cache-aware routing against round robin on a simulated hybrid-model "
         "fleet: a table, demo.json and demo.png.",
     )
-    p.add_argument("--short", action="store_true", help="CI-sized run (2 engines, seconds)")
+    p.add_argument(
+        "--short", action="store_true", help="CI-sized run (seconds; 2 engines, 2 + 2 with --pd)"
+    )
     p.add_argument(
         "--keep",
         action="store_true",

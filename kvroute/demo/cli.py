@@ -5,7 +5,9 @@ simulated engines with kvroute bridges (cold caches, so both start equal) and th
 front: once with round robin, once with kvroute's default cache-aware policy. Prints a
 progress line while it runs, then a table, and writes the numbers (JSON) and a picture (PNG).
 `--keep` leaves the cache-aware fleet and router running for the dashboard until Ctrl-C;
-`--short` is the CI-sized run.
+`--short` is the CI-sized run. `--pd` runs it on a prefill/decode fleet (two engines of each),
+where round robin takes both halves of a request in turn, and reports each pool's work
+(:mod:`kvroute.demo.pd_report`).
 """
 
 from __future__ import annotations
@@ -15,11 +17,13 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TextIO
 
-from kvroute.demo.report import headline, table, write_json, write_png
+from kvroute.demo import pd_report, report
+from kvroute.demo.report import write_json
 from kvroute.demo.run import LABELS, LiveRun, RunResult, replay, start_live
 from kvroute.demo.workload import SETUPS, DemoSetup, demo_trace
 from kvroute.sim.profiles import PROFILES
@@ -90,7 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Cache-aware routing against round robin on a simulated hybrid-model "
         "fleet: a table, demo.json and demo.png.",
     )
-    p.add_argument("--short", action="store_true", help="CI-sized run (2 engines, seconds)")
+    p.add_argument(
+        "--short", action="store_true", help="CI-sized run (seconds; 2 engines, 2 + 2 with --pd)"
+    )
     p.add_argument(
         "--keep",
         action="store_true",
@@ -99,7 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--out", type=Path, default=Path("demo-results"), help="output directory")
     p.add_argument("--profile", choices=sorted(PROFILES), help="sim model profile")
-    p.add_argument("--workers", type=int, help="number of simulated engines")
+    p.add_argument("--workers", type=int, help="number of simulated engines (not with --pd)")
+    p.add_argument(
+        "--pd",
+        action="store_true",
+        help="a prefill/decode fleet: 2 prefill and 2 decode engines, both halves compared",
+    )
     p.add_argument(
         "--policies",
         default=",".join(ORDER),
@@ -118,7 +129,7 @@ def parse_policies(text: str) -> list[str]:
 
 
 def _setup(args: argparse.Namespace) -> DemoSetup:
-    setup = SETUPS["short" if args.short else "full"]
+    setup = SETUPS[("pd-" if args.pd else "") + ("short" if args.short else "full")]
     if args.profile:
         setup = replace(setup, profile=args.profile)
     if args.workers:
@@ -159,6 +170,48 @@ def _keep_running(live: LiveRun, out: TextIO) -> None:
         live.stop()
 
 
+@dataclass(frozen=True)
+class Outputs:
+    """How one kind of demo reports: its files' stem, table, summary lines, picture, note."""
+
+    stem: str
+    table: Callable[[Sequence[RunResult]], str]
+    headline: Callable[[RunResult, RunResult], list[str]]
+    write_png: Callable[[Path, str, Sequence[RunResult]], None]
+    note: str
+
+
+OUTPUTS = {
+    "mixed": Outputs(
+        "demo",
+        report.table,
+        report.headline,
+        report.write_png,
+        "prediction error = |router's predicted reuse - engine-reported cached_tokens|, "
+        "summed, as a share of the reported cached tokens.",
+    ),
+    "pd": Outputs(
+        "demo-pd",
+        pd_report.table,
+        pd_report.headline,
+        pd_report.write_png,
+        "prefill tokens computed = prompt tokens the prefill engines did not find in their "
+        "prefix cache; tokens pulled = KV blocks the decode engines read from the prefill "
+        "engines, in tokens (both from the engines' own counters).",
+    ),
+}
+
+
+def _kind(setup: DemoSetup) -> str:
+    return "pd" if setup.pd else "mixed"
+
+
+def _fleet(setup: DemoSetup) -> str:
+    if setup.pd:
+        return f"{setup.prefill} prefill and {setup.decode} decode simulated vLLM engines"
+    return f"{setup.workers} simulated vLLM engines"
+
+
 @dataclass
 class DemoOutcome:
     runs: list[RunResult]
@@ -176,7 +229,7 @@ def run_demo(
     trace = demo_trace(setup, MODEL)
     info = describe(trace)
     print(
-        f"kvroute demo: {setup.workers} simulated vLLM engines of a hybrid model "
+        f"kvroute demo: {_fleet(setup)} of a hybrid model "
         f"({_LAYOUTS.get(setup.profile, setup.profile)}), each with a kvroute bridge, "
         f"the router in front.\nWorkload: {info['requests']} requests in "
         + ", ".join(f"{v['sessions']} {k} sessions" for k, v in info["kinds"].items())
@@ -202,7 +255,7 @@ def run_demo(
     if not args.keep:
         print(
             "\nTo keep the fleet and router running and watch routing on the dashboard: "
-            "kvroute demo --keep",
+            f"kvroute demo {'--pd ' if setup.pd else ''}--keep",
             file=out,
         )
     return DemoOutcome(runs, json_path, png_path, live)
@@ -211,29 +264,28 @@ def run_demo(
 def _after_runs(
     runs: list[RunResult], setup: DemoSetup, out_dir: Path, t0: float, out: TextIO
 ) -> tuple[Path, Path]:
-    json_path, png_path = out_dir / "demo.json", out_dir / "demo.png"
+    outputs = OUTPUTS[_kind(setup)]
+    json_path, png_path = out_dir / f"{outputs.stem}.json", out_dir / f"{outputs.stem}.png"
     setup_doc = {
         "setup": setup.name,
         "profile": setup.profile,
         "workers": setup.workers,
+        "prefill": setup.prefill,
+        "decode": setup.decode,
         "speed": setup.speed,
         "wall_s": round(time.monotonic() - t0, 1),
     }
     write_json(json_path, setup_doc, runs)
     title = (
-        f"kvroute demo: {setup.workers} simulated engines, hybrid model "
+        f"kvroute demo: {_fleet(setup).replace(' vLLM', '')}, hybrid model "
         f"({_LAYOUTS.get(setup.profile, setup.profile)})"
     )
-    write_png(png_path, title, runs)
-    print("\n" + table(runs), file=out)
+    outputs.write_png(png_path, title, runs)
+    print("\n" + outputs.table(runs), file=out)
     by = {r.policy: r for r in runs}
     if "kvroute" in by and "round_robin" in by:
-        print("\n" + "\n".join(headline(by["kvroute"], by["round_robin"])), file=out)
-    print(
-        "\nprediction error = |router's predicted reuse - engine-reported cached_tokens|, "
-        "summed, as a share of the reported cached tokens.",
-        file=out,
-    )
+        print("\n" + "\n".join(outputs.headline(by["kvroute"], by["round_robin"])), file=out)
+    print("\n" + outputs.note, file=out)
     print(f"\nWrote {png_path} and {json_path}.", file=out, flush=True)
     return json_path, png_path
 
@@ -245,6 +297,8 @@ def main(argv: list[str] | None = None) -> int:
         parse_policies(args.policies)
     except ValueError as exc:
         parser.error(str(exc))
+    if args.pd and args.workers:
+        parser.error("--workers sizes a mixed fleet; --pd runs 2 prefill and 2 decode engines")
     t0 = time.monotonic()
     try:
         outcome = run_demo(args)

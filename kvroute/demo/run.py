@@ -14,7 +14,9 @@ Measured, per run:
 - from the router's ``/metrics``: its predictions checked against what the engines reported;
 - for cache-aware runs, after the traffic: each worker's predicted reuse for every session's
   last prompt (``/admin/score``), what an index of full-attention groups only would predict
-  (same answer), and the engine's true hit (``/sim/probe``), side by side.
+  (same answer), and the engine's true hit (``/sim/probe``), side by side;
+- on a prefill/decode fleet (``--pd``), instead of that probe: each pool's work from the
+  engines' ``/sim/state`` (:mod:`kvroute.demo.pd`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import aiohttp
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvroute.demo.pd import engine_states, pool_numbers
 from kvroute.demo.workload import DemoSetup
 from kvroute.testbed.loadgen import LoadConfig, build_body, run_trace
 from kvroute.testbed.peers import Peers
@@ -59,6 +62,7 @@ class RunResult:
     hybrid: dict[str, Any] | None
     wall_s: float
     records: list[RequestRecord] = field(default_factory=list, repr=False)
+    pd: dict[str, Any] | None = None  # each pool's work on a prefill/decode fleet
 
     @property
     def cached_share(self) -> float:
@@ -72,6 +76,7 @@ class RunResult:
             "engine_counters": self.engine,
             "prediction": self.prediction,
             "hybrid_probe": self.hybrid,
+            "pools": self.pd,
             "wall_s": self.wall_s,
         }
 
@@ -208,6 +213,7 @@ class LiveRun:
     router: RunningRouter
     token: str
     policy: str
+    roles: dict[str, str] = field(default_factory=dict)  # engine -> prefill/decode (P/D only)
 
     @property
     def url(self) -> str:
@@ -220,22 +226,29 @@ class LiveRun:
 def start_live(setup: DemoSetup, policy: str, log_dir: Path) -> LiveRun:
     """A fresh fleet (cold caches) and the router with ``policy`` in front of it."""
     pg = ProcessGroup(log_dir)
+    pools = ("--prefill", str(setup.prefill), "--decode", str(setup.decode)) if setup.pd else ()
     try:
         fleet = start_fleet(
             pg,
             workers=setup.workers,
             profile=setup.profile,
             run_dir=log_dir,
-            extra_args=("--speed", str(setup.speed)),
+            extra_args=("--speed", str(setup.speed), *pools),
         )
         configure_router(fleet, setup)
         router = start_router(pg, ROUTERS[POLICIES[policy]], fleet, Peers(None, None))
         # The bench's launcher turns the admin API on with its per-process random token.
-        wait_events_live(router.url, ADMIN_TOKEN, setup.workers)
+        wait_events_live(router.url, ADMIN_TOKEN, setup.engines)
     except BaseException:
         pg.stop_all()
         raise
-    return LiveRun(pg, fleet, router, ADMIN_TOKEN, LABELS[policy])
+    return LiveRun(pg, fleet, router, ADMIN_TOKEN, LABELS[policy], _roles(fleet))
+
+
+def _roles(fleet: Fleet) -> dict[str, str]:
+    """The prefill and decode engines of the fleet's router config (none on a mixed fleet)."""
+    cfg: dict[str, Any] = yaml.safe_load(fleet.config_path.read_text()) or {}
+    return {str(w["name"]): str(w["role"]) for w in cfg.get("workers", []) if w.get("role")}
 
 
 def replay(
@@ -249,12 +262,17 @@ def replay(
     t0 = time.monotonic()
     engines = live.fleet.engines
     before = scrape(engines)
+    states = engine_states(engines) if live.roles else {}
     load = LoadConfig(url=live.url, model=live.fleet.model, request_timeout_s=60.0)
     records = asyncio.run(run_trace(trace, load, on_done))
     after = scrape(engines)
+    pools = None
+    if live.roles:
+        ok = sum(1 for r in records if r.ok)
+        pools = pool_numbers(states, engine_states(engines), live.roles, ok)
     prediction = prediction_from_metrics(_http_text(live.url + "/metrics"))
     hybrid = None
-    if policy != "round_robin":
+    if policy != "round_robin" and not live.roles:
         urls = {e.name: e.url for e in engines}
         prompts = probe_prompts(
             [replace(r, model=r.model or live.fleet.model) for r in trace], probe_limit
@@ -269,4 +287,5 @@ def replay(
         hybrid=hybrid,
         wall_s=round(time.monotonic() - t0, 1),
         records=records,
+        pd=pools,
     )

@@ -21,10 +21,21 @@ class DemoSetup:
 
     name: str
     profile: str  # sim model profile (kvroute/sim/profiles.py)
-    workers: int
+    workers: int  # mixed engines
     speed: float  # sim GPU speed factor (1.0 = the modelled H100)
     prefill_tokens_per_s: float  # what the router is told about one worker's prefill rate
     workload: WorkloadSpec
+    prefill: int = 0  # engines that only prefill (a prefill/decode fleet)...
+    decode: int = 0  # ...and engines that only decode
+
+    @property
+    def pd(self) -> bool:
+        """Whether the fleet is split into prefill and decode pools."""
+        return self.prefill > 0
+
+    @property
+    def engines(self) -> int:
+        return self.workers + self.prefill + self.decode
 
 
 # The sim's step model prefills ~28k tokens/s on the modelled H100 for these prompt lengths.
@@ -110,7 +121,11 @@ SHORT = DemoSetup(
     ),
 )
 
-SETUPS = {s.name: s for s in (FULL, SHORT)}
+# `kvroute demo --pd`: the same workloads on two prefill and two decode engines.
+PD = replace(FULL, name="pd-full", workers=0, prefill=2, decode=2)
+PD_SHORT = replace(SHORT, name="pd-short", workers=0, prefill=2, decode=2)
+
+SETUPS = {s.name: s for s in (FULL, SHORT, PD, PD_SHORT)}
 
 
 def demo_trace(setup: DemoSetup, model: str) -> list[TraceRequest]:

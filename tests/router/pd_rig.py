@@ -74,29 +74,30 @@ class PdRig:
 def pd_rig(run_dir: Path) -> Iterator[PdRig]:
     """The router and fleet, up until the block ends."""
     with ProcessGroup(run_dir) as pg:
-        fleet = start_fleet(
-            pg,
-            workers=0,
-            profile="dense",
-            run_dir=run_dir,
-            extra_args=["--workers", "1", "--prefill", "2", "--decode", "2", "--speed", "100",
-                        "--max-model-len", "4096", "--num-blocks", "2048"],
-        )  # fmt: skip
-        cfg = yaml.safe_load(Path(fleet.config_path).read_text())
-        roles = {w["name"]: w.get("role") for w in cfg["workers"]}
-        assert roles == {"sim-0": None, "prefill-0": "prefill", "prefill-1": "prefill",
-                         "decode-0": "decode", "decode-1": "decode"}  # fmt: skip
-        cfg["health"] = {"interval_s": 0.5}
-        config = run_dir / "router.yaml"
-        config.write_text(yaml.safe_dump(cfg))
-        port = free_port()
-        cmd = [sys.executable, "-m", "kvroute", "serve", "--config", str(config)]
-        cmd += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
-        env = {"KVROUTE_ADMIN__TOKEN": ADMIN, "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
-        child = pg.start("router", cmd, env=env)
-        url = f"http://127.0.0.1:{port}"
-        wait_http(url + "/health", 60.0, child.popen)
-        engines = {e.name: e.url for e in fleet.engines}
-        pd_rig = PdRig(url, port, fleet.model, engines)
-        pd_rig.drain("sim-0")  # the mixed pool only serves the reference answers
-        yield pd_rig
+        extra = ["--workers", "1", "--prefill", "2", "--decode", "2", "--speed", "100",
+                 "--max-model-len", "4096", "--num-blocks", "2048"]  # fmt: skip
+        rig = serve_fleet(pg, run_dir, "dense", extra)
+        rig.drain("sim-0")  # the mixed pool only serves the reference answers
+        yield rig
+
+
+def serve_fleet(pg: ProcessGroup, run_dir: Path, profile: str, extra: list[str]) -> PdRig:
+    """`kvroute sim fleet --model-profile PROFILE EXTRA...` and `kvroute serve` on the config it
+    writes (health checked every 0.5 s), both in `pg`; the roles are checked against the
+    engines' names."""
+    fleet = start_fleet(pg, workers=0, profile=profile, run_dir=run_dir, extra_args=extra)
+    cfg = yaml.safe_load(Path(fleet.config_path).read_text())
+    roles = {"prefill": "prefill", "decode": "decode"}  # by name: prefill-N, decode-N, sim-N
+    for w in cfg["workers"]:
+        assert w.get("role", "both") == roles.get(w["name"].split("-")[0], "both"), w
+    cfg["health"] = {"interval_s": 0.5}
+    config = run_dir / "router.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    port = free_port()
+    cmd = [sys.executable, "-m", "kvroute", "serve", "--config", str(config)]
+    cmd += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
+    env = {"KVROUTE_ADMIN__TOKEN": ADMIN, "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
+    child = pg.start("router", cmd, env=env)
+    url = f"http://127.0.0.1:{port}"
+    wait_http(url + "/health", 60.0, child.popen)
+    return PdRig(url, port, fleet.model, {e.name: e.url for e in fleet.engines})

@@ -156,3 +156,23 @@ def test_equal_decode_workers_take_turns() -> None:
     for t in range(3):
         held = choose_decode(ws, {"d2": 400}, 500, load_model(), PD, 0.0, turn=t).chosen
         assert held is not None and held.name == "d2"
+
+
+def test_a_cache_blind_policy_takes_decode_workers_in_turn_whatever_they_hold() -> None:
+    ws = decoders(3)
+    reuse = {"d2": 400}  # d2 holds the prompt: the priced choice takes it every time
+    picks = [
+        choose_decode(ws, reuse, 500, load_model(), PD, 0.0, turn=t, in_turn=True) for t in range(6)
+    ]
+    assert [p.chosen.name if p.chosen else None for p in picks] == ["d0", "d1", "d2"] * 2
+    assert all(p.tied == 3 for p in picks)  # so the caller advances the turn
+    by = {c.name: c for c in picks[0].candidates}
+    assert (by["d0"].uncached, by["d2"].uncached) == (500, 100)  # still what each would pull
+    # a saturated worker is still passed over
+    ws[0].load.engine = EngineMetrics(1, 0, 0.99, at=0.0, own_running_at=0, own_prefilling_at=0)
+    names = {
+        c.name
+        for t in range(4)
+        if (c := choose_decode(ws, {}, 500, load_model(), PD, 0.0, turn=t, in_turn=True).chosen)
+    }
+    assert names == {"d1", "d2"}

@@ -15,24 +15,30 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, MutableMapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
 from kvroute.ratelog import RateLimitedLog
 from kvroute.router.config import RouterConfig
+from kvroute.router.edge.attempt import (
+    DecodeHalf,
+    Exchange,
+    Failure,
+    Failures,
+    Outgoing,
+    Send,
+    response_headers,
+)
 from kvroute.router.edge.body import BodyBudget, BodyReader, ClientGone
 from kvroute.router.edge.chat_answer import AnswerTap, answer_of_response
 from kvroute.router.edge.chat_as_completion import ChatStream, chat_response, completion_body
 from kvroute.router.edge.errors import (
-    DEADLINE,
     INVALID_FIELD,
     MID_STREAM,
     NO_WORKER,
     OVERLOADED,
-    POOL_WAIT,
     UPSTREAM,
-    UPSTREAM_TIMEOUT,
     RouterError,
     error_body,
     sse_error,
@@ -46,13 +52,8 @@ from kvroute.router.edge.openai_request import (
     parse_request,
     with_stream_usage,
 )
-from kvroute.router.edge.pd_wire import (
-    HandoffError,
-    decode_body,
-    handoff_params,
-    prefill_body,
-    splittable,
-)
+from kvroute.router.edge.pd_attempt import TwoPhaseAttempt
+from kvroute.router.edge.pd_wire import splittable
 from kvroute.router.edge.prefill_watch import ResponsesPrefillWatch
 from kvroute.router.edge.retry import Backoff, RetryBudget, retryable_status
 from kvroute.router.edge.sse import SseFilter, Usage, usage_from_json
@@ -69,65 +70,17 @@ from kvroute.router.fleet.load import LoadTicket, PrefillRateEstimate, PromptSiz
 from kvroute.router.fleet.step_clock import StepClock
 from kvroute.router.fleet.verify import Verifier
 from kvroute.router.fleet.workers import PREFILL, Worker, WorkerRegistry
-from kvroute.router.ops.decisions import DecisionLog, DecisionRecord, PdRecord, PhaseAttempt
+from kvroute.router.ops.decisions import DecisionLog, DecisionRecord, PhaseAttempt
 from kvroute.router.ops.metrics import RouterMetrics
-from kvroute.router.routing.pipeline import AnswerTarget, Prompt, Routing
+from kvroute.router.routing.pipeline import Prompt, Routing
 from kvroute.router.routing.policy import Candidate
 
 log = logging.getLogger("kvroute.router.proxy")
 
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Any]
-Send = Callable[[dict[str, Any]], Any]
 
-_RESPONSE_DROP = frozenset(
-    {
-        b"content-length",
-        b"transfer-encoding",
-        b"connection",
-        b"keep-alive",
-        b"server",
-        b"date",
-        b"trailer",
-        b"upgrade",
-    }
-)
 _JSON = [(b"content-type", b"application/json")]
-
-
-@dataclass(frozen=True, slots=True)
-class _Outgoing:
-    """What goes to the engine: the path and body, whether the router added stream usage the
-    client did not ask for, whether a completion answer must be turned into a chat one
-    (`chat_as_completion`), and the tokenizer and tenant that keep the answer's text for the
-    conversation's next turn (`tokenizer.remember_answers`; None: not kept)."""
-
-    path: str
-    body: bytes
-    inject_usage: bool
-    as_chat: bool = False
-    keep_answer_for: AnswerTarget | None = None
-
-
-@dataclass(slots=True)
-class _Failure:
-    """An attempt that failed before anything reached the client."""
-
-    cause: str  # metric label: connect, timeout, 429, 5xx
-    error: RouterError | None  # what to answer if no retry follows...
-    upstream: tuple[int, list[tuple[bytes, bytes]], bytes] | None = None  # ...or this
-    final: bool = False  # no retry may follow (the engine may be running it, or time is up)
-
-
-@dataclass(frozen=True, slots=True)
-class _DecodeHalf:
-    """The decode half of a disaggregated request: its body (with the prefill's
-    kv_transfer_params), and the prefill worker and prediction the answer's cached_tokens
-    check (vLLM reports the prefill's hit there)."""
-
-    body: bytes
-    prefill: Worker
-    predicted: int | None
 
 
 # Sending a request that reached the engine again could run it twice: only embeddings, which
@@ -255,6 +208,21 @@ class Proxy:
         self._deadline_s = edge.request_deadline_s
         self._show_headers = cfg.admin.response_headers
         self._ratelog = RateLimitedLog(log, interval_s=10.0)
+        self._failures = Failures(metrics, clock, cfg.timeouts.retry_after_s, self._deadline_s)
+        self._two_phase = TwoPhaseAttempt(
+            routing=routing,
+            upstream=upstream,
+            registry=registry,
+            metrics=metrics,
+            prompt_size=prompt_size,
+            budget=self._budget,
+            failures=self._failures,
+            decode=self._attempt,
+            max_attempts=cfg.retry.max_attempts,
+            retry_after_s=cfg.timeouts.retry_after_s,
+            ratelog=self._ratelog,
+            clock=clock,
+        )
         self._remember_answers = cfg.tokenizer.remember_answers
 
     def _prefill_done_after(self, est_ttft_s: float) -> float:
@@ -361,7 +329,7 @@ class Proxy:
         out = self._as_completion(req, prompt, inject_usage) if send_ids else None
         if out is None:
             body = with_stream_usage(req.body, req.raw) if inject_usage else req.raw
-            out = _Outgoing(req.endpoint, body, inject_usage)
+            out = Outgoing(req.endpoint, body, inject_usage)
         if self._remember_answers:
             out = replace(out, keep_answer_for=routing.answer_target(req, route, prompt))
         record.upstream_endpoint = out.path
@@ -376,7 +344,7 @@ class Proxy:
 
     def _as_completion(
         self, req: ClientRequest, prompt: Prompt, inject_usage: bool
-    ) -> _Outgoing | None:
+    ) -> Outgoing | None:
         """The chat request as a completion of its exact token ids, when it can be sent so."""
         ids = prompt.token_ids
         if ids is None or prompt.partial is not None or prompt.source not in ("local", "render"):
@@ -391,14 +359,14 @@ class Proxy:
             self._metrics.child(self._metrics.sent_as_ids, "not_plain").inc()
             return None
         self._metrics.child(self._metrics.sent_as_ids, "yes").inc()
-        return _Outgoing(COMPLETIONS, converted, inject_usage, as_chat=True)
+        return Outgoing(COMPLETIONS, converted, inject_usage, as_chat=True)
 
     async def _forward(
         self,
         req: ClientRequest,
         prompt: Prompt,
         record: DecisionRecord,
-        out: _Outgoing,
+        out: Outgoing,
         send: Send,
     ) -> int:
         tried: list[str] = []
@@ -407,11 +375,12 @@ class Proxy:
         retries = 0
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._deadline_s  # bounds every attempt until the first byte
+        exchange = Exchange(req, prompt, record, out, send, deadline)
         while True:
             worker = cand.worker
             tried.append(worker.name)
             record.attempts.append(worker.name)
-            result = await self._attempt(worker, cand, req, prompt, record, out, send, deadline)
+            result = await self._attempt(worker, cand, exchange)
             if isinstance(result, int):
                 return result
             failure = result
@@ -423,7 +392,7 @@ class Proxy:
             retries += 1
             pause = self._backoff.delay(retries)
             if loop.time() + pause >= deadline:
-                return await self._give_up(self._past_deadline(), record, send)
+                return await self._give_up(self._failures.past_deadline(), record, send)
             await asyncio.sleep(pause)
             route = self._routing.resolve_model(req)
             try:
@@ -437,11 +406,7 @@ class Proxy:
             cand = decision.chosen
             assert cand is not None
 
-    def _past_deadline(self) -> _Failure:
-        message = f"no answer within the request deadline of {self._deadline_s:g} s"
-        return _Failure("deadline", RouterError(DEADLINE, message), final=True)
-
-    async def _give_up(self, failure: _Failure, record: DecisionRecord, send: Send) -> int:
+    async def _give_up(self, failure: Failure, record: DecisionRecord, send: Send) -> int:
         if failure.upstream is not None:
             status, headers, data = failure.upstream
             record.status = status
@@ -459,19 +424,16 @@ class Proxy:
         self,
         worker: Worker,
         cand: Candidate,
-        req: ClientRequest,
-        prompt: Prompt,
-        record: DecisionRecord,
-        out: _Outgoing,
-        send: Send,
-        deadline: float,
-        half: _DecodeHalf | None = None,
-    ) -> int | _Failure:
+        exchange: Exchange,
+        half: DecodeHalf | None = None,
+    ) -> int | Failure:
         """One try on one worker: an HTTP status once the client got an answer, or a failure.
-        A prefill worker's try runs both halves of the request (`_attempt_pd`); `half` is
+        A prefill worker's try runs both halves of the request (`TwoPhaseAttempt`); `half` is
         the decode half's try."""
         if worker.spec.role == PREFILL and half is None:
-            return await self._attempt_pd(worker, cand, req, prompt, record, out, send, deadline)
+            return await self._two_phase.run(worker, cand, exchange)
+        req, prompt, record, out = exchange.req, exchange.prompt, exchange.record, exchange.out
+        send, deadline = exchange.send, exchange.deadline
         metrics = self._metrics
         breaker = worker.breaker
         breaker.on_send(self._clock())
@@ -515,7 +477,7 @@ class Proxy:
                             breaker.release()
                         verdict = True
                         cause = "429" if resp.status == 429 else "5xx"
-                        return _Failure(cause, None, (resp.status, _resp_headers(resp), data))
+                        return Failure(cause, None, (resp.status, response_headers(resp), data))
                     if req.stream and resp.status == 200:
                         if prompt.partial is not None:
                             predicted = await self._complete(worker, cand, prompt, record)
@@ -526,14 +488,14 @@ class Proxy:
                     else:
                         first = await resp.read()
             except UpstreamPoolTimeout as exc:
-                return self._pool_wait_failure(exc)
+                return self._failures.pool_wait(exc)
             except UpstreamError as exc:
                 verdict = True
                 final = exc.sent and req.endpoint not in _RETRY_AFTER_SEND
-                return self._upstream_failure(worker, exc, final=final)
+                return self._failures.upstream(worker, exc, final=final)
             except TimeoutError:
                 metrics.child(metrics.upstream, worker.name, "timeout").inc()
-                return self._past_deadline()
+                return self._failures.past_deadline()
             # From here on the client gets this worker's answer: no more retries.
             first_byte_s = time.perf_counter() - dispatched
             breaker.record_success()
@@ -548,7 +510,7 @@ class Proxy:
             metrics.child(metrics.ttfb, worker.name).observe(first_byte_s)
             metrics.child(metrics.upstream, worker.name, f"{resp.status // 100}xx").inc()
             record.status = resp.status
-            out_headers = _resp_headers(resp)
+            out_headers = response_headers(resp)
             if self._show_headers:
                 out_headers += [
                     (b"x-kvroute-worker", worker.name.encode()),
@@ -594,150 +556,6 @@ class Proxy:
             if resp is not None:
                 resp.abort()  # no-op once released; drops a half-read connection
             self._registry.request_finished(worker)
-
-    async def _attempt_pd(
-        self,
-        worker: Worker,
-        cand: Candidate,
-        req: ClientRequest,
-        prompt: Prompt,
-        record: DecisionRecord,
-        out: _Outgoing,
-        send: Send,
-        deadline: float,
-    ) -> int | _Failure:
-        """Both halves of a disaggregated request: the prefill on `worker` (the policy's
-        choice), then the decode on the decode worker that holds most of the prompt at the
-        least load, retried on another decode worker with the same params if it fails
-        before its first byte. A prefill that fails is a failure of this attempt (nothing
-        reached the client, so `_forward` may retry on another prefill worker)."""
-        pd = record.pd = record.pd or PdRecord()
-        metrics = self._metrics
-        if prompt.partial is not None and await self._routing.complete(prompt):
-            cand.reuse = self._routing.reuse(prompt).get(worker.name)
-        prefilled = await self._prefill(worker, cand, req, prompt, pd, out, deadline)
-        if isinstance(prefilled, _Failure):
-            metrics.child(metrics.pd_retries, "prefill", prefilled.cause).inc()
-            return prefilled
-        route = self._routing.resolve_model(req)
-        body = decode_body(out.body, prefilled)
-        half = _DecodeHalf(body, worker, cand.predicted_cached)
-        tried: list[str] = []
-        result: int | _Failure = _Failure("no_decode", None)
-        for _ in range(self._cfg.retry.max_attempts):
-            choice = self._routing.choose_decode(
-                route, prompt, self._routing.reuse(prompt), exclude=tried
-            )
-            if choice.chosen is None:
-                break
-            pd.decode_candidates = choice.candidates
-            dcand = choice.chosen
-            tried.append(dcand.name)
-            metrics.pd_pull_tokens.inc(dcand.uncached)
-            result = await self._attempt(
-                dcand.worker, dcand, req, prompt, record, out, send, deadline, half
-            )
-            if isinstance(result, int):
-                return result
-            pd.decode.append(PhaseAttempt(dcand.name, result.cause, 0.0))
-            if result.final or not self._budget.try_spend(self._clock()):
-                return result
-            metrics.child(metrics.pd_retries, "decode", result.cause).inc()
-        if isinstance(result, _Failure) and result.cause != "no_decode":
-            return result
-        message = f"no decode worker can serve model `{route.name}` right now"
-        error = RouterError(NO_WORKER, message, retry_after=self._cfg.timeouts.retry_after_s)
-        return _Failure("no_decode", error, final=True)
-
-    async def _prefill(
-        self,
-        worker: Worker,
-        cand: Candidate,
-        req: ClientRequest,
-        prompt: Prompt,
-        pd: PdRecord,
-        out: _Outgoing,
-        deadline: float,
-    ) -> dict[str, Any] | _Failure:
-        """The prefill half on `worker`: its kv_transfer_params, or why it failed."""
-        metrics = self._metrics
-        breaker = worker.breaker
-        breaker.on_send(self._clock())
-        ticket = LoadTicket(worker.load, cand.uncached)
-        self._prompt_size.observe(cand.uncached)
-        self._routing.expect(worker, prompt)
-        headers = req.headers
-        if worker.url_shared:
-            headers = [*headers, ("x-data-parallel-rank", str(worker.spec.dp_rank))]
-        started = time.perf_counter()
-        outcome = "connect"
-        verdict = False
-        try:
-            async with asyncio.timeout_at(deadline):
-                url = worker.url + out.path
-                resp = await self._upstream.send("POST", url, headers, prefill_body(out.body))
-                try:
-                    data = await resp.read()
-                finally:
-                    resp.release()
-            outcome = str(resp.status)
-            metrics.child(metrics.upstream, worker.name, f"{resp.status // 100}xx").inc()
-            if resp.status != 200:
-                verdict = True
-                if resp.status >= 500:
-                    breaker.record_failure(self._clock())
-                else:
-                    breaker.release()
-                retry = resp.status == 429 or retryable_status(resp.status)
-                cause = "429" if resp.status == 429 else f"{resp.status // 100}xx"
-                answer = (resp.status, _resp_headers(resp), data)
-                return _Failure(cause, None, answer, final=not retry)
-            breaker.record_success()
-            verdict = True
-            try:
-                return handoff_params(data)
-            except HandoffError as exc:
-                outcome = "no_params"
-                metrics.child(metrics.errors, "pd_handoff").inc()
-                self._ratelog.warning("pd_handoff", "%s: %s", worker.name, exc)
-                return _Failure("no_params", RouterError(UPSTREAM, f"{worker.name}: {exc}"))
-        except UpstreamPoolTimeout as exc:
-            return self._pool_wait_failure(exc)
-        except UpstreamError as exc:
-            verdict = True
-            # retried even when sent: a prefill gives the client nothing, and its kept
-            # blocks are freed when vLLM's lease runs out
-            failure = self._upstream_failure(worker, exc, final=False)
-            outcome = failure.cause
-            return failure
-        except TimeoutError:
-            outcome = "deadline"
-            metrics.child(metrics.upstream, worker.name, "timeout").inc()
-            return self._past_deadline()
-        finally:
-            seconds = time.perf_counter() - started
-            pd.prefill.append(PhaseAttempt(worker.name, outcome, seconds))
-            metrics.child(metrics.pd_phase_seconds, "prefill").observe(seconds)
-            ticket.finish()
-            if not verdict:
-                breaker.release()
-            self._registry.request_finished(worker)
-
-    def _pool_wait_failure(self, exc: UpstreamPoolTimeout) -> _Failure:
-        """The router's own connections are all busy: another worker would not help."""
-        retry_after = self._cfg.timeouts.retry_after_s
-        return _Failure(
-            "pool_wait", RouterError(POOL_WAIT, str(exc), retry_after=retry_after), final=True
-        )
-
-    def _upstream_failure(self, worker: Worker, exc: UpstreamError, *, final: bool) -> _Failure:
-        """A connect error or timeout on `worker`: counted, and held against its breaker."""
-        timed_out = isinstance(exc, UpstreamTimeout)
-        cause = "timeout" if timed_out else "connect"
-        self._metrics.child(self._metrics.upstream, worker.name, cause).inc()
-        worker.breaker.record_failure(self._clock())
-        kind = UPSTREAM_TIMEOUT if timed_out else UPSTREAM
-        return _Failure(cause, RouterError(kind, f"{worker.name}: {exc}"), final=final)
 
     def _prefill_ended(
         self,
@@ -786,7 +604,7 @@ class Proxy:
         resp: UpstreamResponse,
         first: bytes,
         headers: list[tuple[bytes, bytes]],
-        outgoing: _Outgoing,
+        outgoing: Outgoing,
         send: Send,
         record: DecisionRecord,
         steps: StepClock,
@@ -891,10 +709,6 @@ def _single_prompt(req: ClientRequest) -> bool:
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
             return len(prompt) == 1
     return req.endpoint in (CHAT, COMPLETIONS, RESPONSES)
-
-
-def _resp_headers(resp: UpstreamResponse) -> list[tuple[bytes, bytes]]:
-    return [(k, v) for k, v in resp.headers if k not in _RESPONSE_DROP]
 
 
 async def _send_error(send: Send, exc: RouterError) -> None:

@@ -40,11 +40,13 @@ def choose_decode(
     now: float,
     link_bytes_per_s: float | None = None,
     turn: int = 0,
+    in_turn: bool = False,
 ) -> DecodeChoice:
     """Price every decode worker (see the module doc) and pick the cheapest unsaturated one;
     ties go to the worker with fewer running sequences, then in turn (`turn`: a counter the
     caller advances after each choice among ties, `DecodeChoice.tied` > 1).
-    `link_bytes_per_s`: the link's rate (default: `cfg.link_gbps`)."""
+    `link_bytes_per_s`: the link's rate (default: `cfg.link_gbps`). `in_turn`: every
+    unsaturated worker counts as a tie, whatever it holds (a cache-blind policy's choice)."""
     cands = load.candidates(workers, reuse, n_tokens, now)
     rate = link_bytes_per_s if link_bytes_per_s is not None else cfg.link_gbps * 1e9 / 8
     seconds_per_token = cfg.kv_bytes_per_token / rate
@@ -64,5 +66,8 @@ def choose_decode(
         return DecodeChoice(None, cands)
     # equal ones (typically a new conversation nobody holds) take turns, so decode workers
     # fill alike instead of the first listed taking every new conversation
-    ties = [c for c in open_ if c.running == best.running and c.cost_s - best.cost_s < TIE_S]
+    if in_turn:
+        ties = sorted(open_, key=lambda c: c.name)
+    else:
+        ties = [c for c in open_ if c.running == best.running and c.cost_s - best.cost_s < TIE_S]
     return DecodeChoice(ties[turn % len(ties)], cands, len(ties))

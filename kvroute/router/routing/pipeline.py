@@ -237,7 +237,7 @@ class Routing:
         pool = self.decode_pool(route, exclude)
         choice = choose_decode(
             pool, reuse, prompt.n_tokens, self.policy.load_model, self._pd, self._clock(),
-            self.link_rate.bytes_per_s(), self._decode_turn,
+            self.link_rate.bytes_per_s(), self._decode_turn, self.policy.decode_in_turn,
         )  # fmt: skip
         if choice.tied > 1 and not dry_run:
             self._decode_turn += 1

@@ -59,13 +59,15 @@ class Policy:
 
     What a policy needs from the router is declared here, not inferred from its type:
     `needs_reuse` (it reads predicted reuse: the prompt's prefix sharing is remembered for
-    it), `index_view` (which reuse the router scores, `REACH` or `FULL_ATTENTION_ONLY`) and
-    `terms` (the cost terms it prices, by name, see `kvroute.router.routing.terms`)."""
+    it), `index_view` (which reuse the router scores, `REACH` or `FULL_ATTENTION_ONLY`),
+    `terms` (the cost terms it prices, by name, see `kvroute.router.routing.terms`) and
+    `decode_in_turn` (a disaggregated request's decode worker is taken in turn, not priced)."""
 
     name: ClassVar[str] = "base"
     needs_reuse: ClassVar[bool] = False
     index_view: ClassVar[str] = REACH
     terms: ClassVar[tuple[str, ...]] = LOAD_TERMS
+    decode_in_turn: ClassVar[bool] = False
 
     def __init__(self, load_model: LoadModel) -> None:
         self.load_model = load_model
@@ -246,6 +248,7 @@ class FullAttentionOnlyPolicy(TTFTPolicy):
 
 class RoundRobinPolicy(Policy):
     name = "round_robin"
+    decode_in_turn = True  # both halves of a P/D request in turn: the cache-blind baseline
 
     def __init__(self, load_model: LoadModel) -> None:
         super().__init__(load_model)

@@ -133,6 +133,7 @@ class RequestHandle:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     kv_transfer_params: dict[str, object] | None = None  # a producer's answer for its peer
+    run_prompt_len: int = 0  # prompt tokens the engine runs (a Mamba prefill half: one fewer)
 
     @property
     def request_id(self) -> str:
@@ -187,6 +188,7 @@ class Engine:
                 kv_bytes_per_token=config.gpu.kv_bytes_per_token,
                 speed=config.speed,
                 max_leases=config.num_blocks,
+                has_mamba=config.cache_spec().mamba_block_size is not None,
             )
 
     def _new_core(self) -> None:
@@ -225,9 +227,12 @@ class Engine:
             raise EngineOverloaded(
                 f"the engine already has {self.config.max_waiting} requests waiting; retry later"
             )
-        handle = RequestHandle(req, arrival=time.monotonic())
-        request = self._cache_request(req.request_id, req.prompt_ids, req.lora_name, req.cache_salt)
         keep = self.kv is not None and self.kv.config.produces(req.kv_transfer_params)
+        prompt_ids = req.prompt_ids
+        if keep and self.kv is not None:
+            prompt_ids = prompt_ids[: self.kv.prefill_tokens(len(prompt_ids))]
+        handle = RequestHandle(req, arrival=time.monotonic(), run_prompt_len=len(prompt_ids))
+        request = self._cache_request(req.request_id, prompt_ids, req.lora_name, req.cache_salt)
         self.scheduler.add(
             dataclasses.replace(request, max_tokens=max(1, req.max_tokens)),
             external_end=req.external_end,
@@ -414,7 +419,7 @@ class Engine:
             if kv is None or handle is None:
                 self.scheduler.release(rid)
                 continue
-            prompt_len = len(handle.request.prompt_ids)
+            prompt_len = handle.run_prompt_len
             block_ids = self.cache.block_ids(rid)
             if kv.hold(rid, block_ids, prompt_len):
                 handle.kv_transfer_params = kv.params_for(kv.leases[rid], handle.cached_tokens)

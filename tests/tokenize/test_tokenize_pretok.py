@@ -8,11 +8,13 @@ import json
 import os
 import random
 import time
+import unicodedata
 
 import pytest
+import tiktoken
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from pretok_pipelines import SUPPORTED, added_edges, built, plain_text
+from pretok_pipelines import SUPPORTED, added_edges, built, plain_text, qwen2_ranks
 from tokenizers import (
     AddedToken,
     Regex,
@@ -28,7 +30,13 @@ from kvroute.router.tokenize.encoder import TextEncoder
 from kvroute.router.tokenize.local import LocalTokenizer
 from kvroute.router.tokenize.model_dir import ModelFiles
 from kvroute.router.tokenize.prefix_cache import PrefixCache, tenant_key
-from kvroute.router.tokenize.pretok import KNOWN_SPLITS, LLAMA3_SPLIT, cut_pattern, cut_rule
+from kvroute.router.tokenize.pretok import (
+    KNOWN_SPLITS,
+    LLAMA3_SPLIT,
+    QWEN2_SPLIT,
+    cut_pattern,
+    cut_rule,
+)
 from kvroute.router.tokenize.spec import TokenizerSpec
 from kvroute.sim.model import MODEL_DIR
 
@@ -132,7 +140,9 @@ def test_text_extended_turn_by_turn_equals_a_full_encode(
 ) -> None:
     """Through the prefix cache (one per pipeline, shared by all examples and tenants): a text
     extended turn by turn always gets the ids of a full encode."""
-    tok = _SHARED.setdefault(name, local(name, PrefixCache(512, 1 << 24)))
+    if name not in _SHARED:
+        _SHARED[name] = local(name, PrefixCache(512, 1 << 24))
+    tok = _SHARED[name]
     tenant = tenant_key("", salt)
     current = first
     for piece in ["", *turns]:
@@ -416,3 +426,23 @@ def test_every_non_space_character_around_a_cut_keeps_it_a_split(
     starts = {start for _, (start, _) in pre.pre_tokenize_str(text)}
     missing = [i for i in (m.start() for m in cut_pattern().finditer(text)) if i not in starts]
     assert not missing, [text[i - 1 : i + 2] for i in missing[:5]]
+
+
+def test_real_qwen2_vocabulary_matches_tiktoken() -> None:
+    """The Qwen2 tokenizer built from the shipped ranks encodes as tiktoken does with them (on
+    NFC text, which Qwen2's normalizer gives): the tests above ran on the real vocabulary."""
+    enc = tiktoken.Encoding(
+        "qwen2", pat_str=QWEN2_SPLIT, mergeable_ranks=qwen2_ranks(), special_tokens={}
+    )
+    tok = encoder("qwen2_real")
+    assert tok.vocab_size > 151_000
+    rng = random.Random(5)
+    texts = [
+        "Hello world, it's 12345 tokens!  \n\n def f(x):\n    return x",
+        "Emojis 😀👍🏽 東京 naïve Zürich русский текст עברית",
+        _words(rng, 2000),
+        *("".join(chr(rng.randrange(0x20, 0x3000)) for _ in range(60)) for _ in range(100)),
+    ]
+    for text in texts:
+        text = unicodedata.normalize("NFC", text)
+        assert tok.encode(text) == enc.encode_ordinary(text), text

@@ -10,15 +10,15 @@ two halves, concatenated, are the ids of the whole.
 The cut used here: before a single space (U+0020) that has a non-whitespace character on each
 side (`ws` as Python's `str.isspace`, a superset of the `\\s` the tokenizer's regex engine
 uses). It is a boundary, and the two halves tokenize alone as in the whole, in these
-pipelines, which are the only ones accepted (`pipeline_refusal` names what else it meets):
+pipelines, which are the only ones accepted (`cut_rule` says why it refuses any other):
 
 - First splitting step a `Split` (behaviour Isolated, not inverted) with one of `KNOWN_SPLITS`
-  (GPT-2's, the Llama-3/cl100k one, Qwen2's, o200k's), or `ByteLevel` with `use_regex` (GPT-2's
-  regex). In each, a space can only be the first character of a match or follow other
-  whitespace; so no match holds a non-space character followed by the space, and a match
-  starts at the space. The only lookahead, `\\s+(?!\\S)`, belongs to whitespace runs, which
-  end before the non-space character on the left; no alternative looks behind. Digit, space
-  and punctuation runs, whose splitting depends on their length, are never cut.
+  (GPT-2's, the Llama-3/cl100k one, Qwen2's, Qwen3.5's, o200k's), or `ByteLevel` with
+  `use_regex` (GPT-2's regex). In each, a space can only be the first character of a match or
+  follow other whitespace; so no match holds a non-space character followed by the space, and a
+  match starts at the space. The only lookahead, `\\s+(?!\\S)`, belongs to whitespace runs,
+  which end before the non-space character on the left; no alternative looks behind. Digit,
+  space and punctuation runs, whose splitting depends on their length, are never cut.
 - `Metaspace` with `split` true (it splits before every replacement character, which the
   space becomes); with `split` false (one word: the model sees the whole text) only with a
   plain BPE none of whose tokens holds the replacement character after another character, so
@@ -56,6 +56,10 @@ QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+QWEN35_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 O200K_SPLIT = (
     r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
@@ -63,7 +67,7 @@ O200K_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
     r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-KNOWN_SPLITS = frozenset({GPT2_SPLIT, LLAMA3_SPLIT, QWEN2_SPLIT, O200K_SPLIT})
+KNOWN_SPLITS = frozenset({GPT2_SPLIT, LLAMA3_SPLIT, QWEN2_SPLIT, QWEN35_SPLIT, O200K_SPLIT})
 
 # How many characters after a cut decide it (the space and the character after it).
 CUT_REACH = 2
@@ -189,6 +193,30 @@ def cut_rule(config: Mapping[str, Any]) -> CutRule:
     return CutRule(None if why else cut_pattern(not_left), why)
 
 
+def _state(component: Any) -> Any:
+    return None if component is None else json.loads(component.__getstate__())
+
+
 def tokenizer_cut_rule(tokenizer: Tokenizer) -> CutRule:
-    """`cut_rule` of a loaded tokenizer."""
-    return cut_rule(json.loads(tokenizer.to_str()))
+    """`cut_rule` of a loaded tokenizer (its parts are read one by one: the whole
+    tokenizer.json of a large vocabulary takes a second or more to serialise and parse)."""
+    pre = _state(tokenizer.pre_tokenizer)
+    model = tokenizer.model
+    config: dict[str, Any] = {
+        "truncation": tokenizer.truncation,
+        "padding": tokenizer.padding,
+        "normalizer": _state(tokenizer.normalizer),
+        "pre_tokenizer": pre,
+        "added_tokens": [
+            {"normalized": t.normalized} for t in tokenizer.get_added_tokens_decoder().values()
+        ],
+        "model": {
+            "type": type(model).__name__,
+            "dropout": getattr(model, "dropout", None),
+            "continuing_subword_prefix": getattr(model, "continuing_subword_prefix", None),
+            "end_of_word_suffix": getattr(model, "end_of_word_suffix", None),
+        },
+    }
+    if "Metaspace" in json.dumps(pre):  # only a one-word Metaspace looks at the vocabulary
+        config["model"]["vocab"] = tokenizer.get_vocab(with_added_tokens=False)
+    return cut_rule(config)

@@ -17,7 +17,12 @@ Measured, per size:
   threads (`encode_batch_fast`, which releases the GIL), or in a pool of 2 processes (text sent
   to a worker process that holds the tokenizer, ids sent back), one request at a time and 8 at
   once; plus the event loop's worst stall meanwhile (a ticker coroutine every 1 ms);
-- end to end: `Tokenizers.token_ids` (thread pool + prefix cache), cold and next turn.
+- end to end: `Tokenizers.token_ids` (thread pool + prefix cache), cold and next turn;
+- completions (Mooncake-shaped, no chat template): a prompt of 22 blocks of 512 tokens seen
+  before, then prompts that extend it by one new block of ~750 tokens (the shape of the
+  public Mooncake conversation trace: ~12K-token prompts extending earlier ones). Cold (empty
+  prefix cache) and extending (the earlier prompt's ids cached), through `LocalTokenizer`
+  (wall and thread CPU time) and `Tokenizers.token_ids` (end to end), against a full encode.
 
 Prints a table and writes bench/results/tokenize.json and tokenize.md.
 """
@@ -42,6 +47,8 @@ from tokenizers import Tokenizer
 from kvroute.router.tokenize import Tokenizers, TokenizerSpec
 from kvroute.router.tokenize.local import LocalTokenizer
 from kvroute.router.tokenize.prefix_cache import PrefixCache
+from kvroute.testbed.textgen import TokenSpace
+from kvroute.testbed.trace import MOONCAKE_BLOCK_TOKENS, MooncakeRecord, from_mooncake
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / "kvroute" / "sim" / "model"
@@ -261,10 +268,109 @@ def bench_size(total: int, reps: int) -> dict[str, Any]:
     return result
 
 
+# ---- completions: a Mooncake-shaped prompt extending an earlier one -------------------------
+
+EARLIER_BLOCKS = 22  # 11,264 tokens
+NEW_TOKENS = 750
+
+
+def mooncake_prompts(reps: int, blocks: int = EARLIER_BLOCKS) -> tuple[str, list[str]]:
+    """(earlier prompt, `reps` later prompts): each later one is the earlier one plus a new
+    block of its own (hash ids as in a Mooncake trace, text from the sim's vocabulary)."""
+    space = TokenSpace.from_tokenizer_file(MODEL / "tokenizer.json")
+    ids = tuple(range(blocks))
+    n = blocks * MOONCAKE_BLOCK_TOKENS
+    records = [MooncakeRecord(0.0, n, 1, ids)]
+    new_blocks = -(-NEW_TOKENS // MOONCAKE_BLOCK_TOKENS)
+    records += [
+        MooncakeRecord(
+            float(i + 1),
+            n + NEW_TOKENS,
+            1,
+            (*ids, *range(1000 + i * new_blocks, 1000 + (i + 1) * new_blocks)),
+        )
+        for i in range(reps)
+    ]
+    prompts = [r.prompt for r in sorted(from_mooncake(records, space), key=lambda r: r.id)]
+    return prompts[0], prompts[1:]
+
+
+def _timed(fn: Callable[[], Any]) -> tuple[float, float, Any]:
+    """(wall seconds, this thread's CPU seconds, result)."""
+    w0, c0 = time.perf_counter(), time.thread_time()
+    out = fn()
+    return time.perf_counter() - w0, time.thread_time() - c0, out
+
+
+async def _completions_end_to_end(earlier: str, later: list[str]) -> dict[str, float]:
+    """Medians through `Tokenizers.token_ids`: wall ms, and the process's CPU ms (every
+    thread: the event loop's and the pool's) for cold and extending prompts."""
+    spec = {"m": TokenizerSpec("local", path=str(MODEL))}
+    times: dict[str, list[float]] = {"cold": [], "cold_cpu": [], "ext": [], "ext_cpu": []}
+
+    async def one(tz: Tokenizers, prompt: str, key: str) -> None:
+        w0, c0 = time.perf_counter(), time.process_time()
+        await tz.token_ids("m", "/v1/completions", {"model": "m", "prompt": prompt}, None)
+        times[key].append(time.perf_counter() - w0)
+        times[key + "_cpu"].append(time.process_time() - c0)
+
+    for prompt in later:
+        tz = Tokenizers(spec, threads=2)
+        await tz.start()
+        await one(tz, prompt, "cold")
+        await tz.aclose()
+    tz = Tokenizers(spec, threads=2)
+    await tz.start()
+    await tz.token_ids("m", "/v1/completions", {"model": "m", "prompt": earlier}, None)
+    for prompt in later:
+        await one(tz, prompt, "ext")
+    await tz.aclose()
+    med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    return {
+        "cold_ms": med["cold"],
+        "cold_cpu_ms": med["cold_cpu"],
+        "extending_ms": med["ext"],
+        "extending_cpu_ms": med["ext_cpu"],
+    }
+
+
+def bench_completions(reps: int, blocks: int = EARLIER_BLOCKS) -> dict[str, Any]:
+    """Cold and extending completions prompts (module docstring)."""
+    earlier, later = mooncake_prompts(reps, blocks)
+    tok = _new_local()
+    full = [_timed(lambda p=p: tok.encoder.encode(p, add_special_tokens=True)) for p in later]
+    cold = []
+    for p in later:
+        tok.cache.clear()
+        cold.append(_timed(lambda p=p: tok.text_ids(p, True)))
+    tok.cache.clear()
+    tok.text_ids(earlier, True)
+    warm = [_timed(lambda p=p: tok.text_ids(p, True)) for p in later]
+    for (_, _, (ids, _)), (_, _, expected) in zip(warm, full, strict=True):
+        assert ids == expected  # the point: exact ids
+    stats = [w[2][1] for w in warm]
+    return {
+        "prompt_tokens": statistics.median(len(f[2]) for f in full),
+        "earlier_tokens": len(tok.encoder.encode(earlier, add_special_tokens=True)),
+        "chars": statistics.median(len(p) for p in later),
+        "full_encode_ms": statistics.median(f[0] for f in full) * 1e3,
+        "cold_ms": statistics.median(c[0] for c in cold) * 1e3,
+        "extending_ms": statistics.median(w[0] for w in warm) * 1e3,
+        "extending_cpu_ms": statistics.median(w[1] for w in warm) * 1e3,
+        "extending_encoded_tokens": statistics.median(s.encoded_tokens for s in stats),
+        "extending_hits": sum(s.cache_hit for s in stats),
+        "reps": len(later),
+        "earlier_blocks": blocks,
+        "end_to_end": asyncio.run(_completions_end_to_end(earlier, later)),
+    }
+
+
 EXECUTORS = ("inline", "thread1", "thread2", "process2")
 
 
-def _markdown(results: list[dict[str, Any]], smoke: bool, load: str) -> str:
+def _markdown(
+    results: list[dict[str, Any]], completions: dict[str, Any], smoke: bool, load: str
+) -> str:
     lines = [
         "# Tokenization (kvroute/router/tokenize)" + (" — smoke run" if smoke else ""),
         "",
@@ -298,7 +404,19 @@ def _markdown(results: list[dict[str, Any]], smoke: bool, load: str) -> str:
                 f"{x['one_ms']:.1f} / {x['eight_ms_per_request']:.1f} / {x['loop_stall_ms']:.1f}"
             )
         lines.append(f"| {r['tokens']} | " + " | ".join(cells) + " |")
+    c, e = completions, completions["end_to_end"]
     lines += [
+        "",
+        "Completions prompt extending an earlier one (Mooncake-shaped, no chat template; "
+        f"medians of {c['reps']}):",
+        "",
+        "| prompt tokens | earlier prompt tokens | full encode ms | cold ms | extending ms "
+        "(CPU ms) | encoded when extending | end to end cold / extending ms (CPU ms) |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+        f"| {c['prompt_tokens']} | {c['earlier_tokens']} | {c['full_encode_ms']:.2f} | "
+        f"{c['cold_ms']:.2f} | {c['extending_ms']:.2f} ({c['extending_cpu_ms']:.2f}) | "
+        f"{c['extending_encoded_tokens']:.0f} | {e['cold_ms']:.2f} ({e['cold_cpu_ms']:.2f}) / "
+        f"{e['extending_ms']:.2f} ({e['extending_cpu_ms']:.2f}) |",
         "",
         "- cold: render + encode with an empty prefix cache; next turn: the last turn of a "
         "conversation grown turn by turn through one tokenizer (history from the prefix cache).",
@@ -306,6 +424,14 @@ def _markdown(results: list[dict[str, Any]], smoke: bool, load: str) -> str:
         "of 1 or 2 threads (`encode_batch_fast` releases the GIL); process2: 2 worker "
         "processes holding the tokenizer (text and ids pickled across). The loop stall with "
         "a pool is CPU oversubscription (pool workers + the loop on 2 cores), not the GIL.",
+        f"- completions: {c['earlier_blocks']} blocks of 512 tokens seen (the earlier prompt), "
+        f"then that prompt plus {NEW_TOKENS} new tokens (new blocks), with add_special_tokens "
+        "(BOS); cold: empty prefix cache; extending: the earlier prompt's ids cached, so only "
+        "the text after the earlier prompt's last cut (a pre-tokenizer cut, before a space) "
+        "is encoded; CPU: the thread's CPU time (end to end: the process's, all threads); end to "
+        "end: `Tokenizers.token_ids` (encodes of at most 4,096 uncached characters run on the "
+        "calling thread). Wall times include waiting for a core on a loaded machine; CPU times "
+        "do not.",
         f"- machine load average during the run: {load}",
     ]
     return "\n".join(lines) + "\n"
@@ -318,6 +444,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     sizes = [1024] if args.smoke else [1024, 8192, 32768]
     reps = 2 if args.smoke else 9
+    completions = bench_completions(3 if args.smoke else 21, 2 if args.smoke else EARLIER_BLOCKS)
+    c = completions
+    print(
+        f"completions {c['prompt_tokens']} tokens: full encode {c['full_encode_ms']:.2f} ms, "
+        f"cold {c['cold_ms']:.2f} ms, extending {c['extending_ms']:.2f} ms "
+        f"(CPU {c['extending_cpu_ms']:.2f} ms, {c['extending_encoded_tokens']:.0f} encoded), "
+        f"end to end {c['end_to_end']['cold_ms']:.2f} / {c['end_to_end']['extending_ms']:.2f} ms",
+        flush=True,
+    )
     results = []
     for size in sizes:
         r = bench_size(size, reps)
@@ -342,10 +477,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "smoke": args.smoke,
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "loadavg": load},
         "results": results,
+        "completions": completions,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(payload, indent=2) + "\n")
-    args.out.with_suffix(".md").write_text(_markdown(results, args.smoke, load))
+    args.out.with_suffix(".md").write_text(_markdown(results, completions, args.smoke, load))
     print(f"wrote {args.out}")
     return 0
 

@@ -19,3 +19,9 @@ def test_tokenize_bench_smoke(tmp_path: Path) -> None:
     assert 0 < row["multi_turn_last_encoded_tokens"] < row["tokens"]
     assert set(row["executors"]) == {"inline", "thread1", "thread2", "process2"}
     assert (tmp_path / "tokenize.md").read_text().startswith("# Tokenization")
+    # a completions prompt extending a seen one: every one hit the cache, and what was
+    # encoded is the new text (750 tokens), not the earlier prompt again
+    c = result["completions"]
+    assert c["extending_hits"] == c["reps"] > 0
+    assert c["prompt_tokens"] - c["earlier_tokens"] == 750
+    assert 750 <= c["extending_encoded_tokens"] < 800

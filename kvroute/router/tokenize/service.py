@@ -400,7 +400,12 @@ class Tokenizers:
                 return None
             self._local[key] = loaded
             if not loaded.cache_enabled:
-                log.info("model %s: no anchor tokens, prefix cache off (full tokenization)", key)
+                log.info("model %s: no cut points, prefix cache off (full tokenization)", key)
+            refusal = loaded.encoder.pretok_refusal
+            if refusal is not None:
+                log.info(
+                    "model %s: plain text between added tokens is encoded whole (%s)", key, refusal
+                )
             return loaded
 
     def _on_mismatch(self, key: str) -> None:

@@ -2,7 +2,8 @@
 
 Flags override the config file, which overrides the defaults; KVROUTE_* environment variables
 sit between the file and the flags. `--workers N` runs N router processes on one port (each
-with its own index, fed by every bridge).
+with its own index, fed by every bridge; with `index.processes` K > 0 they share the host's K
+index shard processes, started here).
 """
 
 from __future__ import annotations
@@ -122,9 +123,21 @@ def main(argv: list[str]) -> int:
     }
     send_buffer = config.edge.client_send_buffer_bytes
     if config.processes > 1:
+        shards = None
+        if config.index.processes > 0:  # one set of shards for all router processes
+            from kvroute.router.index_shards.setup import supervisor_for
+            from kvroute.router.index_shards.supervisor import DIR_ENV
+
+            shards = supervisor_for(config)
+            shards.start()
+            os.environ[DIR_ENV] = shards.directory
         os.environ[RESOLVED_ENV] = json.dumps(dataclasses.asdict(config))
         factory = "kvroute.router.cli:app_from_env"
-        return listen.run(factory, common, config.processes, send_buffer)
+        try:
+            return listen.run(factory, common, config.processes, send_buffer)
+        finally:
+            if shards is not None:
+                shards.stop()
     from kvroute.router.app import create_app
 
     app = create_app(config)

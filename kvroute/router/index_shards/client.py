@@ -199,8 +199,10 @@ class ShardedIndexView:
         started = time.perf_counter()
         self._next_id += 1
         qid = self._next_id
-        key_list = keys if isinstance(keys, list) else list(keys)
-        shared = None if gpu is not None else wire.frame(wire.Query(qid, op, key_list, n_tokens))
+        low, start = wire.split_keys(keys)
+        shared = (
+            None if gpu is not None else wire.frame(wire.Query(qid, op, low, n_tokens, None, start))
+        )
         got: list[wire.Answer | None] = [None] * len(self.links)
         waiting: dict[int, QueryLink] = {}
         for i, link in enumerate(self.links):
@@ -212,7 +214,7 @@ class ShardedIndexView:
             data = shared
             if data is None:
                 assert gpu is not None
-                data = wire.frame(wire.Query(qid, op, key_list, n_tokens, dict(gpu[i])))
+                data = wire.frame(wire.Query(qid, op, low, n_tokens, dict(gpu[i]), start))
             if not link.send(data):
                 self._miss(i, "is down")
                 continue
@@ -366,7 +368,8 @@ class ShardedIndexView:
         junction: int = 0,
     ) -> None:
         keys = self._keys(token_ids, lora_name, cache_salt, keys)
-        self._one_way(worker, wire.Expect(worker, list(keys), len(token_ids), ttl_s, junction))
+        low, start = wire.split_keys(keys)
+        self._one_way(worker, wire.Expect(worker, low, len(token_ids), ttl_s, junction, start))
 
     def apply(self, worker: str, batch: events_pb2.KvEventBatch) -> None:
         self._one_way(worker, wire.Apply(worker, batch.SerializeToString()))

@@ -201,11 +201,12 @@ class Shard:
     def query(self, q: wire.Query) -> wire.Answer:
         view = self.view
         prompt = range(q.n_tokens)  # only its length is read when keys are given
+        keys = wire.join_keys(q.keys, q.start)
         answer = wire.Answer(q.id, down=sorted(self.events.unusable()))
         if q.op == "score":
-            answer.scores = dict(view.score(prompt, keys=q.keys))
+            answer.scores = dict(view.score(prompt, keys=keys))
         elif q.op == "reach":
-            scores, coverage = view.reach(prompt, keys=q.keys)
+            scores, coverage = view.reach(prompt, keys=keys)
             answer.scores = dict(scores)
             answer.coverage = dict(coverage)
         elif q.op == "explain":
@@ -222,10 +223,10 @@ class Shard:
                     e.reason,
                     e.expected_tokens,
                 )
-                for w, e in view.explain(prompt, keys=q.keys).items()
+                for w, e in view.explain(prompt, keys=keys).items()
             }
         elif q.op == "tiers":
-            found = view.tiers(prompt, q.gpu or {}, keys=q.keys)
+            found = view.tiers(prompt, q.gpu or {}, keys=keys)
             answer.tiers = {w: (t.cpu, t.storage) for w, t in found.items()}
         else:
             raise wire.WireError(f"unknown query {q.op!r}")
@@ -233,7 +234,8 @@ class Shard:
         return answer
 
     def _expect(self, m: wire.Expect) -> None:
-        self.view.expect(m.worker, range(m.n_tokens), "", "", m.ttl_s, m.keys, m.junction)
+        keys = wire.join_keys(m.keys, m.start)
+        self.view.expect(m.worker, range(m.n_tokens), "", "", m.ttl_s, keys, m.junction)
 
     def _apply(self, m: wire.Apply) -> None:
         try:

@@ -9,6 +9,7 @@ to decode and the connection is closed (the peer reconnects and resends what it 
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from typing import Annotated
 
 import msgspec
@@ -18,10 +19,14 @@ MAX_FRAME_BYTES = 16 * 1024 * 1024
 MAX_KEYS = 1 << 20  # a 16M-token prompt at hash_unit 16
 MAX_WORKERS = 65_536
 HEADER = struct.Struct(">I")
+_MASK64 = (1 << 64) - 1
 
 Name = Annotated[str, Meta(max_length=512)]
 Text = Annotated[str, Meta(max_length=4096)]
-Keys = Annotated[list[int], Meta(max_length=MAX_KEYS)]
+# Content keys travel as their low 64 bits (the chained hash); the high bits are the key's
+# position in units, consecutive from `start` in a prompt's keys (kvroute.indexer.keys).
+Keys = Annotated[list[Annotated[int, Meta(ge=0)]], Meta(max_length=MAX_KEYS)]
+Start = Annotated[int, Meta(ge=1, le=1 << 40)]
 Names = Annotated[list[Name], Meta(max_length=MAX_WORKERS)]
 Count = Annotated[int, Meta(ge=0)]
 Blob = Annotated[bytes, Meta(max_length=MAX_FRAME_BYTES)]
@@ -67,6 +72,7 @@ class Query(Struct, tag=True):
     keys: Keys
     n_tokens: Count
     gpu: dict[Name, int | None] | None = None
+    start: Start = 1
 
 
 class Expect(Struct, tag=True):
@@ -75,6 +81,7 @@ class Expect(Struct, tag=True):
     n_tokens: Count
     ttl_s: float
     junction: Count = 0
+    start: Start = 1
 
 
 class Apply(Struct, tag=True):
@@ -176,6 +183,22 @@ FromShard = Answer | StatusAnswer
 _to_shard = msgspec.msgpack.Decoder(ToShard)  # type: ignore[var-annotated]
 _from_shard = msgspec.msgpack.Decoder(FromShard)  # type: ignore[var-annotated]
 _encoder = msgspec.msgpack.Encoder()
+
+
+def split_keys(keys: Sequence[int]) -> tuple[list[int], int]:
+    """A prompt's keys as (low 64 bits each, position of the first); ValueError if their
+    positions are not consecutive (not one prompt's keys)."""
+    if not keys:
+        return [], 1
+    start = keys[0] >> 64
+    if start < 1 or keys[-1] >> 64 != start + len(keys) - 1:
+        raise ValueError("keys are not one prompt's consecutive content keys")
+    return [k & _MASK64 for k in keys], start
+
+
+def join_keys(low: list[int], start: int) -> list[int]:
+    """The keys `split_keys` split."""
+    return [(start + i) << 64 | k for i, k in enumerate(low)]
 
 
 class WireError(ValueError):

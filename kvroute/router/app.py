@@ -77,6 +77,7 @@ class Components:
     upstream: Upstream
     policy: Policy
     prefill_rate: PrefillRateEstimate
+    shards: Any = None  # index_shards.setup.ShardedIndex with index.processes > 0
 
 
 def tokenizer_specs(cfg: RouterConfig) -> tuple[dict[str, TokenizerSpec], TokenizerSpec | None]:
@@ -436,5 +437,6 @@ def create_app(
         upstream,
         policy,
         prefill_rate,
+        sharded,
     )
     return app

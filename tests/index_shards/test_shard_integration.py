@@ -1,0 +1,105 @@
+"""End to end on loopback with index shard processes: simulated engines -> real bridges ->
+K=2 shard processes (real processes) -> a real router. Routed like the in-process index; a
+killed shard costs evidence, never a request, and comes back from the bridges' snapshots."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from typing import Any
+
+import httpx
+
+from kvroute.router.index_shards.client import ShardedIndexView
+from tests.router.sim_fleet import MODEL, SimRig, sim_fleet
+from tests.router.test_events import until
+from tests.router.test_sim_integration import multi_turn
+
+SHARDS = {"index": {"processes": 2, "deadline_s": 5.0, "status_interval_s": 0.05}}
+
+
+def routed(r: SimRig) -> list[tuple[str, int | None, int | None, str]]:
+    """Each request in order: worker, predicted and reported cached tokens, outcome."""
+    out = []
+    for d in reversed(r.parts.decisions.recent(200)):
+        assert d.decision.chosen is not None
+        out.append(
+            (
+                d.decision.chosen.name,
+                d.decision.predicted_reuse,
+                d.reported_cached_tokens,
+                d.outcome,
+            )
+        )
+    return out
+
+
+def test_two_shards_route_every_request_as_the_in_process_index() -> None:
+    async def run(router: dict[str, Any]) -> list[tuple[str, int | None, int | None, str]]:
+        async with sim_fleet(4, router=router) as r:
+            if router:
+                assert isinstance(r.parts.index, ShardedIndexView)
+                assert r.parts.shards.supervisor is not None
+            await multi_turn(r, sessions=4, turns=3, concurrent=False)
+            return routed(r)
+
+    in_process = asyncio.run(run({}))
+    sharded = asyncio.run(run(SHARDS))
+    assert len(in_process) == 12
+    assert sum(1 for _, _, cached, _ in in_process if cached) >= 8  # follow-ups hit
+    assert sharded == in_process
+    assert {outcome for *_, outcome in sharded} == {"exact"}
+
+
+def test_a_killed_shard_costs_evidence_not_requests_and_catches_up() -> None:
+    async def go() -> None:
+        async with sim_fleet(2, router=SHARDS) as r:
+            view = r.parts.index
+            assert isinstance(view, ShardedIndexView)
+            sup = r.parts.shards.supervisor
+            messages = [
+                {"role": "system", "content": "Shard restart session. " * 40},
+                {"role": "user", "content": "Tell me everything. " * 20},
+            ]
+            first = await r.chat(messages)
+            home = first["_worker"]
+            shard = view.owner(home)
+            pid = sup.pid(shard)
+            assert pid is not None
+            os.kill(pid, signal.SIGKILL)
+            # while the shard is down (or restarting): every request is still answered
+            for i in range(4):
+                other = [{"role": "user", "content": f"Another conversation {i}. " * 30}]
+                assert (await r.chat(other))["choices"]
+            await until(lambda: sup.pid(shard) not in (None, pid), timeout=20)
+            await until(lambda: not r.parts.events.unusable(), timeout=30)
+            await until(lambda: r.parts.shards.events.ready(), timeout=10)
+            async with httpx.AsyncClient() as c:
+                ready = await c.get(r.url + "/readyz")
+                metrics = (await c.get(r.url + "/metrics")).text
+            assert ready.status_code == 200 and ready.json()["index"] == "up"
+            assert f'kvroute_index_shard_restarts_total{{shard="{shard}"}} 1.0' in metrics
+            assert r.parts.events.status(home).snapshots >= 1  # caught up from a snapshot
+            # the restarted shard knows the history again: the next turn goes home, exactly
+            again = await r.chat([*messages, {"role": "user", "content": "And more?"}])
+            d = r.parts.decisions.recent(1)[0]
+            assert again["_worker"] == home
+            assert d.outcome == "exact" and (d.reported_cached_tokens or 0) > 100
+
+    asyncio.run(go())
+
+
+def test_readyz_reports_the_index_down_without_its_shards() -> None:
+    async def go() -> None:
+        async with sim_fleet(1, router=SHARDS) as r, httpx.AsyncClient() as c:
+            assert (await c.get(r.url + "/readyz")).json()["index"] == "up"
+            r.parts.shards.supervisor.stop()  # every shard gone, none restarted
+            await until(lambda: not r.parts.shards.events.ready(), timeout=10)
+            resp = await c.get(r.url + "/readyz")
+            assert resp.status_code == 503 and resp.json()["index"] == "down"
+            # requests are still served, without evidence
+            body = {"model": MODEL, "prompt": "hello there", "max_tokens": 2}
+            assert (await r.client.post("/v1/completions", json=body)).status_code == 200
+
+    asyncio.run(go())

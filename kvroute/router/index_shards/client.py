@@ -208,6 +208,8 @@ class ShardedIndexView:
         for i, link in enumerate(self.links):
             if only is not None and not only[i]:
                 continue
+            if link.outstanding:  # late answers that arrived since: read and dropped
+                self._read(link, qid, got)
             if link.outstanding >= MAX_OUTSTANDING:
                 self._miss(i, "is too far behind")
                 continue

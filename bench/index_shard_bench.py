@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import platform
+import socket
 import statistics
 import subprocess
 import sys
@@ -32,7 +33,7 @@ from bench.index_bench import LAYOUTS, SYSTEM, UNIT, Engine, engine_hashes, toke
 from kvroute.indexer import content_keys
 from kvroute.proto import events_pb2 as pb
 from kvroute.router.index_shards import wire
-from kvroute.router.index_shards.client import QueryLink, ShardedIndexView
+from kvroute.router.index_shards.client import ShardedIndexView
 from kvroute.router.index_shards.server import ShardSettings
 from kvroute.router.index_shards.supervisor import ShardSupervisor
 from kvroute.router.routing.fleet_index_view import FleetIndexView
@@ -117,15 +118,21 @@ def feeder_pool(seed: int) -> list[tuple[pb.KvGroupEvent, list[bytes]]]:
     return pool
 
 
-def feed(paths: list[str], n_workers: int, rate: float, seconds: float, first_seq: int) -> None:
+def feed(paths: list[str], rate: float, seconds: float, first_seqs: list[int]) -> None:
     """Send every worker, in turn, a batch storing one pool prompt (128 blocks) and removing
     the one stored POOL/2 turns earlier, paced to `rate` blocks (stored + removed) per
-    second; prints what was sent as JSON."""
+    second, each worker's batches numbered on from `first_seqs`; prints what was sent (and
+    the next sequence of every worker) as JSON."""
     from kvroute.router.index_shards.assign import shard_of
 
-    links = [QueryLink(p, i) for i, p in enumerate(paths)]
+    socks = []
+    for path in paths:
+        sock = socket.socket(socket.AF_UNIX)
+        sock.connect(path)
+        socks.append(sock)
     pool = feeder_pool(7)
-    seqs = [first_seq] * n_workers
+    n_workers = len(first_seqs)
+    seqs = list(first_seqs)
     turn = [0] * n_workers
     blocks = 0
     started = time.perf_counter()
@@ -147,19 +154,18 @@ def feed(paths: list[str], n_workers: int, rate: float, seconds: float, first_se
             batch.events.append(pb.KvGroupEvent(operation=pb.KvGroupEvent.REMOVE, block_hashes=old))
             sent += len(old)
         name = f"w{w}"
-        link = links[shard_of(name, len(links))]
-        if link.send(wire.frame(wire.Apply(name, batch.SerializeToString()))):
-            blocks += sent
-        link.flush()
+        sock = socks[shard_of(name, len(socks))]
+        sock.sendall(wire.frame(wire.Apply(name, batch.SerializeToString())))
+        blocks += sent
         seqs[w] += 1
         turn[w] += 1
         w = (w + 1) % n_workers
-    for link in links:  # what is still queued goes out before the count is final
-        while link.wants_write():
-            link.flush()
-            time.sleep(0.001)
     elapsed = time.perf_counter() - started
-    print(json.dumps({"blocks": blocks, "seconds": elapsed, "rate": blocks / elapsed}))
+    for sock in socks:
+        sock.close()
+    print(
+        json.dumps({"blocks": blocks, "seconds": elapsed, "rate": blocks / elapsed, "seqs": seqs})
+    )
 
 
 def ingest_rate_in_process(seed: int) -> float:
@@ -182,6 +188,28 @@ def ingest_rate_in_process(seed: int) -> float:
         view.apply("w", pb.KvEventBatch.FromString(data))
         blocks += n
     return blocks / (time.perf_counter() - t0)
+
+
+def load(paths: list[str], content: dict[str, list[pb.KvEventBatch]]) -> None:
+    """Apply every batch in the shards, over blocking sockets (the shard's reading paces the
+    sending), and return once each shard has applied all of it."""
+    from kvroute.router.index_shards.assign import shard_of
+
+    socks = []
+    for path in paths:
+        sock = socket.socket(socket.AF_UNIX)
+        sock.connect(path)
+        socks.append(sock)
+    for w, batches in content.items():
+        sock = socks[shard_of(w, len(paths))]
+        for b in batches:
+            sock.sendall(wire.frame(wire.Apply(w, b.SerializeToString())))
+    for sock in socks:  # answered after everything sent before it: a barrier
+        sock.sendall(wire.frame(wire.Query(1, "score", [], 0)))
+        reader = wire.FrameReader()
+        while not reader.feed(sock.recv(65536)):
+            pass
+        sock.close()
 
 
 # -- the run -------------------------------------------------------------------------------
@@ -211,10 +239,7 @@ def run_fleet(
         while not all(link.ensure() for link in remote.links):
             time.sleep(0.05)
         t1 = time.perf_counter()
-        for w, batches in content.items():
-            for b in batches:
-                remote.apply(w, b)
-        remote.ask("score", [], 0)  # answered once every shard applied everything
+        load(paths, content)
         load_s = time.perf_counter() - t1
         print(f"  shards loaded in {load_s:.1f} s")
         rows = []
@@ -241,14 +266,12 @@ def run_fleet(
                     "bench.index_shard_bench",
                     "--feed",
                     json.dumps(paths),
-                    "--workers",
-                    str(n_workers),
                     "--rate",
                     str(rate),
                     "--seconds",
                     str(max(5.0, reps * 0.004 + 3.0)),
-                    "--first-seq",
-                    "100000",
+                    "--first-seqs",
+                    json.dumps([e.seq for e in engines]),
                 ],
                 stdout=subprocess.PIPE,
             )
@@ -256,6 +279,10 @@ def run_fleet(
             busy = time_decisions(remote, hot, keys, reps)
             out, _ = feeder.communicate()
             fed = json.loads(out.decode().strip().splitlines()[-1])
+            for eng, seq in zip(engines, fed["seqs"], strict=True):
+                eng.seq = seq
+            remote.deadline_s = 120.0  # the fed stores and removes left the request's hits
+            assert remote.reach(hot, keys=keys) == want, "the feed changed the answer"
             missed = sum(remote.missed.labels(str(i))._value.get() for i in range(shards))
             row = {
                 "workers": n_workers,
@@ -323,10 +350,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, help="directory for index_shards.json and .md")
     p.add_argument("--feed", help=argparse.SUPPRESS)  # JSON list of sockets: be the feeder
     p.add_argument("--seconds", type=float, default=5.0, help=argparse.SUPPRESS)
-    p.add_argument("--first-seq", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--first-seqs", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.feed:
-        feed(json.loads(args.feed), args.workers[0], args.rate, args.seconds, args.first_seq)
+        feed(json.loads(args.feed), args.rate, args.seconds, json.loads(args.first_seqs))
         return 0
     fleets = args.workers or ([16, 64] if args.smoke else [256, 1024])
     prompts = [8192, 32768] if not args.smoke else [8192]

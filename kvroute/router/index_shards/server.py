@@ -321,6 +321,10 @@ class ShardServer:
                 if answer is not None:
                     writer.write(wire.frame(answer))
                     await writer.drain()
+                else:
+                    # a reader with frames buffered does not yield on its own: let a query
+                    # waiting on another connection go before this one's next batch
+                    await asyncio.sleep(0)
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         except wire.WireError as exc:

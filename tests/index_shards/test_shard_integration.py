@@ -71,7 +71,9 @@ def test_a_killed_shard_costs_evidence_not_requests_and_catches_up() -> None:
             # while the shard is down (or restarting): every request is still answered
             for i in range(4):
                 other = [{"role": "user", "content": f"Another conversation {i}. " * 30}]
-                assert (await r.chat(other))["choices"]
+                body = {"model": MODEL, "messages": other, "max_tokens": 4}
+                resp = await r.client.post("/v1/chat/completions", json=body)
+                assert resp.status_code == 200 and resp.json()["choices"]
             await until(lambda: sup.pid(shard) not in (None, pid), timeout=20)
             await until(lambda: not r.parts.events.unusable(), timeout=30)
             await until(lambda: r.parts.shards.events.ready(), timeout=10)

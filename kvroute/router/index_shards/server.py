@@ -371,6 +371,9 @@ def main(argv: list[str] | None = None) -> int:
         level=settings.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    from kvroute.router.cli import tune_gc
+
+    tune_gc()  # as the router's: a shard holds millions of index objects the collector walks
     try:
         import uvloop
 

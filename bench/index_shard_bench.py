@@ -37,6 +37,7 @@ from kvroute.router.index_shards.client import ShardedIndexView
 from kvroute.router.index_shards.server import ShardSettings
 from kvroute.router.index_shards.supervisor import ShardSupervisor
 from kvroute.router.routing.fleet_index_view import FleetIndexView
+from kvroute.testbed.procs import cpu_seconds
 
 POOL = 64  # distinct feeder prompts per worker cycle; a store evicts the one POOL/2 before
 CHUNK_TOKENS = 2048
@@ -121,8 +122,9 @@ def feeder_pool(seed: int) -> list[tuple[pb.KvGroupEvent, list[bytes]]]:
 def feed(paths: list[str], rate: float, seconds: float, first_seqs: list[int]) -> None:
     """Send every worker, in turn, a batch storing one pool prompt (128 blocks) and removing
     the one stored POOL/2 turns earlier, paced to `rate` blocks (stored + removed) per
-    second, each worker's batches numbered on from `first_seqs`; prints what was sent (and
-    the next sequence of every worker) as JSON."""
+    second, each worker's batches numbered on from `first_seqs`; returns once the shards
+    have applied all of it and prints the rate they applied it at (and the next sequence of
+    every worker) as JSON."""
     from kvroute.router.index_shards.assign import shard_of
 
     socks = []
@@ -160,9 +162,13 @@ def feed(paths: list[str], rate: float, seconds: float, first_seqs: list[int]) -
         seqs[w] += 1
         turn[w] += 1
         w = (w + 1) % n_workers
-    elapsed = time.perf_counter() - started
-    for sock in socks:
+    for sock in socks:  # count only what the shards have applied: a barrier on each socket
+        sock.sendall(wire.frame(wire.Query(1, "score", [], 0)))
+        reader = wire.FrameReader()
+        while not reader.feed(sock.recv(65536)):
+            pass
         sock.close()
+    elapsed = time.perf_counter() - started
     print(
         json.dumps({"blocks": blocks, "seconds": elapsed, "rate": blocks / elapsed, "seqs": seqs})
     )
@@ -257,7 +263,11 @@ def run_fleet(
                 hashing.append((time.perf_counter() - h0) * 1000)
             in_proc = time_decisions(local, hot, keys, reps)
             remote.deadline_s = 0.01  # the default index.deadline_s
+            pids = [pid for i in range(shards) if (pid := sup.pid(i)) is not None]
+            shard_cpu0, cpu0 = sum(cpu_seconds(p) for p in pids), time.process_time()
             idle = time_decisions(remote, hot, keys, reps)
+            router_cpu = (time.process_time() - cpu0) / reps * 1000
+            shard_cpu = (sum(cpu_seconds(p) for p in pids) - shard_cpu0) / reps * 1000
             missed_before = sum(remote.missed.labels(str(i))._value.get() for i in range(shards))
             feeder = subprocess.Popen(
                 [
@@ -292,6 +302,8 @@ def run_fleet(
                 "hash_ms": percentiles(hashing),
                 "in_process": percentiles(in_proc),
                 "shards_idle": percentiles(idle),
+                "router_cpu_ms_per_decision": round(router_cpu, 3),
+                "shards_cpu_ms_per_decision": round(shard_cpu, 3),
                 "shards_ingesting": percentiles(busy),
                 "feed_blocks_per_s": round(fed["rate"]),
                 "missed_while_ingesting": int(missed - missed_before),
@@ -323,8 +335,9 @@ def run_fleet(
 def markdown(result: dict[str, object]) -> str:
     lines = [
         "| workers | shards | prompt tokens | in-process p50 / p99 | shards idle p50 / p99 | "
-        "shards ingesting p50 / p99 | feed blocks/s | missed | hashing p50 |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "shards ingesting p50 / p99 | feed blocks/s | missed | hashing p50 | "
+        "CPU per decision: router / all shards |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for fleet in result["fleets"]:  # type: ignore[attr-defined]
         for r in fleet["rows"]:
@@ -334,7 +347,8 @@ def markdown(result: dict[str, object]) -> str:
                 f"{r['shards_idle']['p50_ms']:.3f} / {r['shards_idle']['p99_ms']:.3f} | "
                 f"{r['shards_ingesting']['p50_ms']:.3f} / {r['shards_ingesting']['p99_ms']:.3f} | "
                 f"{r['feed_blocks_per_s']:,} | {r['missed_while_ingesting']} | "
-                f"{r['hash_ms']['p50_ms']:.3f} |"
+                f"{r['hash_ms']['p50_ms']:.3f} | {r['router_cpu_ms_per_decision']:.3f} / "
+                f"{r['shards_cpu_ms_per_decision']:.3f} |"
             )
     return "\n".join(lines) + "\n"
 

@@ -7,10 +7,12 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 from typing import Any
 
 import httpx
 
+from kvroute.router.index_shards import wire
 from kvroute.router.index_shards.client import ShardedIndexView
 from tests.router.sim_fleet import MODEL, SimRig, sim_fleet
 from tests.router.test_events import until
@@ -103,5 +105,58 @@ def test_readyz_reports_the_index_down_without_its_shards() -> None:
             # requests are still served, without evidence
             body = {"model": MODEL, "prompt": "hello there", "max_tokens": 2}
             assert (await r.client.post("/v1/completions", json=body)).status_code == 200
+
+    asyncio.run(go())
+
+
+def shard_status(path: str) -> dict[str, wire.WorkerStatus]:
+    """What the shard itself says it follows (a control connection of its own)."""
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.connect(path)
+        sock.sendall(wire.frame(wire.StatusAsk(1)))
+        reader = wire.FrameReader()
+        while not (bodies := reader.feed(sock.recv(65536))):
+            pass
+    answer = wire.decode_from_shard(bodies[0])
+    assert isinstance(answer, wire.StatusAnswer)
+    return {w.name: w for w in answer.workers}
+
+
+def test_workers_removed_and_added_through_the_admin_api_are_followed() -> None:
+    async def go() -> None:
+        async with sim_fleet(2, router=SHARDS) as r:
+            view = r.parts.index
+            assert isinstance(view, ShardedIndexView)
+            sup = r.parts.shards.supervisor
+            messages = [
+                {"role": "system", "content": "Admin follow session. " * 40},
+                {"role": "user", "content": "Tell me. " * 20},
+            ]
+            home = (await r.chat(messages))["_worker"]
+            path = sup.socket(view.owner(home))
+            assert shard_status(path)[home].state == "live"
+            spec = {"name": home, "url": r.engines[home].url}
+            spec["bridge"] = f"127.0.0.1:{r.bridges[home].grpc_port}"
+
+            gone = await r.client.delete(f"/admin/workers/{home}?drain=false", headers=r.admin())
+            assert gone.status_code == 200
+            await until(lambda: home not in shard_status(path), timeout=10)
+            assert r.parts.events.status(home) is None
+
+            added = await r.client.post("/admin/workers", json=spec, headers=r.admin())
+            assert added.status_code == 201
+            await until(lambda: home in shard_status(path), timeout=10)
+            await until(lambda: not r.parts.events.unusable(), timeout=30)
+            status = r.parts.events.status(home)
+            assert status is not None and status.state == "live" and status.snapshots == 1
+            # followed afresh from the bridge's snapshot: the history is found again
+            again = await r.chat([*messages, {"role": "user", "content": "More."}])
+            d = r.parts.decisions.recent(1)[0]
+            assert again["_worker"] == home
+            assert d.outcome == "exact" and (d.reported_cached_tokens or 0) > 100
+
+            resync = await r.client.post(f"/admin/workers/{home}/resync", headers=r.admin())
+            assert resync.status_code == 200
+            await until(lambda: shard_status(path)[home].snapshots == 2, timeout=20)
 
     asyncio.run(go())

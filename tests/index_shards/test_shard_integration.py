@@ -61,7 +61,7 @@ def test_a_killed_shard_costs_evidence_not_requests_and_catches_up() -> None:
             assert isinstance(view, ShardedIndexView)
             sup = r.parts.shards.supervisor
             messages = [
-                {"role": "system", "content": "Shard restart session. " * 40},
+                {"role": "system", "content": "Shard restart conversation. " * 40},
                 {"role": "user", "content": "Tell me everything. " * 20},
             ]
             first = await r.chat(messages)
@@ -129,7 +129,7 @@ def test_workers_removed_and_added_through_the_admin_api_are_followed() -> None:
             assert isinstance(view, ShardedIndexView)
             sup = r.parts.shards.supervisor
             messages = [
-                {"role": "system", "content": "Admin follow session. " * 40},
+                {"role": "system", "content": "Admin follow conversation. " * 40},
                 {"role": "user", "content": "Tell me. " * 20},
             ]
             home = (await r.chat(messages))["_worker"]

@@ -163,7 +163,7 @@ class ShardedEvents:
         delay = 0.05
         while True:
             try:
-                await self._session(c)
+                await self._connected(c)
                 delay = 0.05
             except asyncio.CancelledError:
                 raise
@@ -181,7 +181,7 @@ class ShardedEvents:
             await asyncio.sleep(delay * (0.8 + 0.4 * random.random()))
             delay = min(delay * 2, 2.0)
 
-    async def _session(self, c: _Control) -> None:
+    async def _connected(self, c: _Control) -> None:
         reader, writer = await asyncio.open_unix_connection(c.path, limit=1 << 16)
         c.writer = writer
         c.unconfirmed = set(c.workers)

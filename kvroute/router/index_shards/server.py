@@ -36,6 +36,7 @@ from kvroute.router.config import BreakerConfig, EventsConfig, WorkerSpec
 from kvroute.router.fleet.event_subscriptions import EventSubscriptions, TransportFactory
 from kvroute.router.fleet.event_subscriptions import default_transport as _default_transport
 from kvroute.router.fleet.workers import WorkerRegistry
+from kvroute.router.gc_tuning import tune_gc
 from kvroute.router.index_shards import wire
 from kvroute.router.ops.metrics import RouterMetrics
 from kvroute.router.routing.fleet_index_view import FleetIndexView
@@ -371,8 +372,6 @@ def main(argv: list[str] | None = None) -> int:
         level=settings.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    from kvroute.router.cli import tune_gc
-
     tune_gc()  # as the router's: a shard holds millions of index objects the collector walks
     try:
         import uvloop

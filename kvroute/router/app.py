@@ -14,7 +14,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
@@ -58,6 +58,9 @@ from kvroute.router.routing.pipeline import Routing, TokenizerLike
 from kvroute.router.routing.policy import LoadModel, Policy, make_policy
 from kvroute.router.tokenize import Tokenizers, TokenizerSpec
 
+if TYPE_CHECKING:
+    from kvroute.router.index_shards.setup import ShardedIndex
+
 log = logging.getLogger("kvroute.router")
 
 
@@ -77,7 +80,7 @@ class Components:
     upstream: Upstream
     policy: Policy
     prefill_rate: PrefillRateEstimate
-    shards: Any = None  # index_shards.setup.ShardedIndex with index.processes > 0
+    shards: ShardedIndex | None = None  # with index.processes > 0
 
 
 def tokenizer_specs(cfg: RouterConfig) -> tuple[dict[str, TokenizerSpec], TokenizerSpec | None]:

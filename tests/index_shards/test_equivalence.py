@@ -13,10 +13,12 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import msgspec
 import pytest
 
 from bench.index_bench import LAYOUTS, SYSTEM, Engine, tokens
 from kvroute.proto import events_pb2 as pb
+from kvroute.router.index_shards import wire
 from kvroute.router.index_shards.client import ShardedIndexView
 from kvroute.router.index_shards.server import ShardSettings
 from kvroute.router.index_shards.supervisor import ShardSupervisor
@@ -132,3 +134,37 @@ def test_every_answer_is_byte_identical(shards: ShardSupervisor, layout: str) ->
         assert any(local.tiers(p, local.score(p)) for p in prompts)
     assert not any(remote.missed.labels(str(i))._value.get() for i in range(3))
     remote.close()
+
+
+NEGATIVE_KEY = {"type": "Query", "id": 1, "op": "score", "keys": [-1], "n_tokens": 1}
+
+
+def framed(obj: object) -> bytes:
+    body = msgspec.msgpack.encode(obj)
+    return wire.HEADER.pack(len(body)) + body
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        wire.HEADER.pack(5) + b"\xc1\xc1\xc1\xc1\xc1",  # not msgpack
+        wire.frame(wire.Invalidate("w")).replace(b"Invalidate", b"Invalidatf"),  # no such tag
+        wire.HEADER.pack(wire.MAX_FRAME_BYTES + 1),  # announces too much
+        framed(NEGATIVE_KEY),  # well-formed msgpack, a key out of range
+        wire.HEADER.pack(30) + msgspec.msgpack.encode(NEGATIVE_KEY)[:30],  # truncated msgpack
+    ],
+)
+def test_a_hostile_peer_is_cut_off_and_the_shard_serves_on(
+    shards: ShardSupervisor, frame: bytes
+) -> None:
+    paths = wait_for(shards)
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.connect(paths[0])
+        sock.sendall(frame)
+        sock.settimeout(10)
+        assert sock.recv(100) == b""  # closed by the shard
+    view = ShardedIndexView(paths, deadline_s=10.0)
+    view.apply("hostile-check", pb.KvEventBatch(sequence=0))
+    assert view.stats("hostile-check") is None  # (statistics come from status polls)
+    assert all(a is not None for a in view.ask("score", [], 0))
+    view.close()

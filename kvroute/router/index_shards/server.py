@@ -331,6 +331,8 @@ class ShardServer:
         except wire.WireError as exc:
             self.shard.bad_messages += 1
             self._ratelog.warning("wire", "shard %d: %s; connection closed", self.shard.shard, exc)
+        except Exception as exc:  # a bug answering one message: this connection only
+            self._ratelog.error("handle", "shard %d: %r; connection closed", self.shard.shard, exc)
         finally:
             self.shard.closed(conn)
             writer.close()

@@ -14,7 +14,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
@@ -32,6 +32,7 @@ from kvroute.router.edge.trust import TrustedPeers
 from kvroute.router.edge.upstream import Upstream
 from kvroute.router.fleet.discovery import parse_discovery_config, start_discovery
 from kvroute.router.fleet.event_subscriptions import (
+    EventFeed,
     EventSubscriptions,
     TransportFactory,
     default_transport,
@@ -57,6 +58,9 @@ from kvroute.router.routing.pipeline import Routing, TokenizerLike
 from kvroute.router.routing.policy import LoadModel, Policy, make_policy
 from kvroute.router.tokenize import Tokenizers, TokenizerSpec
 
+if TYPE_CHECKING:
+    from kvroute.router.index_shards.setup import ShardedIndex
+
 log = logging.getLogger("kvroute.router")
 
 
@@ -68,7 +72,7 @@ class Components:
     metrics: RouterMetrics
     registry: WorkerRegistry
     index: IndexView
-    events: EventSubscriptions
+    events: EventFeed
     routing: Routing
     proxy: Proxy
     verifier: Verifier
@@ -76,6 +80,7 @@ class Components:
     upstream: Upstream
     policy: Policy
     prefill_rate: PrefillRateEstimate
+    shards: ShardedIndex | None = None  # with index.processes > 0
 
 
 def tokenizer_specs(cfg: RouterConfig) -> tuple[dict[str, TokenizerSpec], TokenizerSpec | None]:
@@ -119,6 +124,16 @@ def build_index(cfg: RouterConfig) -> IndexView:
         max_pending_per_worker=cfg.events.max_pending_per_worker,
     )
     return view
+
+
+async def _await_shards(ready: Callable[[], bool], timeout_s: float = 15.0) -> None:
+    """Wait (bounded) for the index shards to answer before serving; /readyz says so."""
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        if time.monotonic() > deadline:
+            log.warning("index shards not answering after %.0f s; serving without them", timeout_s)
+            return
+        await asyncio.sleep(0.02)
 
 
 class _Housekeeping:
@@ -200,10 +215,19 @@ def create_app(
         max_workers=cfg.limits.max_workers,
         on_breaker_change=lambda w, old, new: metrics.breaker_transitions.labels(w.name, new).inc(),
     )
-    index = index if index is not None else build_index(cfg)
-    if transport_factory is None:
-        transport_factory = functools.partial(default_transport, cfg=cfg.events)
-    events = EventSubscriptions(index, cfg.events, metrics, transport_factory, clock)
+    events: EventFeed
+    sharded = None
+    if index is None and cfg.index.processes > 0:
+        # the index in shard processes, which follow the events themselves
+        from kvroute.router.index_shards.setup import build_sharded
+
+        sharded = build_sharded(cfg, metrics.registry, clock)
+        index, events = sharded.view, sharded.events
+    else:
+        index = index if index is not None else build_index(cfg)
+        if transport_factory is None:
+            transport_factory = functools.partial(default_transport, cfg=cfg.events)
+        events = EventSubscriptions(index, cfg.events, metrics, transport_factory, clock)
     registry.listen(events)
     verifier = Verifier(cfg.verify, metrics, events.resync, clock)
     prompt_size = PromptSizeEstimate(cfg.policy.avg_prompt_tokens)
@@ -363,6 +387,7 @@ def create_app(
         registry,
         [*cfg.models, *(w.model for w in cfg.workers if w.model)],
         clock,
+        index_ready=sharded.events.ready if sharded is not None else None,
     )
 
     async def metrics_endpoint(request: Request) -> Response:
@@ -387,6 +412,8 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        if sharded is not None and sharded.supervisor is not None:
+            sharded.supervisor.start()
         await upstream.start()
         start = getattr(tok, "start", None)
         if own_tokenizers and start is not None:
@@ -402,6 +429,8 @@ def create_app(
             await job.run_once()
         housekeeping.started = True
         await events.start()
+        if sharded is not None:
+            await _await_shards(sharded.events.ready)
         for job in jobs:
             job.start()
         log.info(
@@ -424,6 +453,8 @@ def create_app(
             if own_tokenizers and aclose is not None:
                 await aclose()
             await upstream.close()
+            if sharded is not None and sharded.supervisor is not None:
+                await asyncio.to_thread(sharded.supervisor.stop)
 
     app = RouterApp(dict(endpoints), routes=routes, lifespan=lifespan)
     app.state.kvroute = Components(
@@ -439,5 +470,6 @@ def create_app(
         upstream,
         policy,
         prefill_rate,
+        sharded,
     )
     return app

@@ -2,14 +2,14 @@
 
 Flags override the config file, which overrides the defaults; KVROUTE_* environment variables
 sit between the file and the flags. `--workers N` runs N router processes on one port (each
-with its own index, fed by every bridge).
+with its own index, fed by every bridge; with `index.processes` K > 0 they share the host's K
+index shard processes, started here).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import json
 import logging
 import os
@@ -25,6 +25,7 @@ from kvroute.router.config_load import (
     describe_defaults,
     load_config,
 )
+from kvroute.router.gc_tuning import tune_gc
 
 RESOLVED_ENV = "KVROUTE_RESOLVED_CONFIG"  # the parent's resolved config, for worker processes
 
@@ -122,25 +123,23 @@ def main(argv: list[str]) -> int:
     }
     send_buffer = config.edge.client_send_buffer_bytes
     if config.processes > 1:
+        shards = None
+        if config.index.processes > 0:  # one set of shards for all router processes
+            from kvroute.router.index_shards.setup import supervisor_for
+            from kvroute.router.index_shards.supervisor import DIR_ENV
+
+            shards = supervisor_for(config)
+            shards.start()
+            os.environ[DIR_ENV] = shards.directory
         os.environ[RESOLVED_ENV] = json.dumps(dataclasses.asdict(config))
         factory = "kvroute.router.cli:app_from_env"
-        return listen.run(factory, common, config.processes, send_buffer)
+        try:
+            return listen.run(factory, common, config.processes, send_buffer)
+        finally:
+            if shards is not None:
+                shards.stop()
     from kvroute.router.app import create_app
 
     app = create_app(config)
     tune_gc()
     return listen.run(app, common, 1, send_buffer)
-
-
-def tune_gc() -> None:
-    """Collect garbage less often, and never look at start-up objects again.
-
-    A request allocates a few hundred objects (its decoded body holds a list per prompt,
-    1024 ids long for a 1024-token prompt); with Python's default first-generation
-    threshold (700) and dozens of requests in flight, the collector ran every few requests
-    and walked every live prompt list each time: ~10 % of the router's CPU. The router
-    makes few reference cycles, so rarer collections cost little memory.
-    """
-    gc.freeze()  # modules, config, index structures built so far: permanent
-    gen0, gen1, gen2 = gc.get_threshold()
-    gc.set_threshold(max(gen0, 20_000), gen1, gen2)

@@ -330,6 +330,31 @@ class EventsConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class IndexConfig:
+    processes: int = _f(
+        0,
+        "index shard processes per router host (0..64), each following a disjoint share of "
+        "the workers' events off the proxy's event loop; 0 = the index in each router process",
+    )
+    deadline_s: float = _f(
+        0.01,
+        "with processes > 0: seconds a decision waits for the shards' answers (> 0); a shard "
+        "late beyond it gives its workers no evidence in that decision",
+    )
+    status_interval_s: float = _f(
+        1.0, "with processes > 0: seconds between polls of the shards' stream status (> 0)"
+    )
+    release_after_s: float = _f(
+        10.0,
+        "with processes > 0: a worker no router process follows any more is dropped from its "
+        "shard after this many seconds (a restarting router finds it warm)",
+    )
+    restart_max_s: float = _f(
+        10.0, "with processes > 0: upper bound of the backoff before restarting a shard (s)"
+    )
+
+
+@dataclass(frozen=True, slots=True)
 class VerifyConfig:
     enabled: bool = _f(True, "compare each response's cached_tokens with the prediction")
     window: int = _f(32, "recent responses per worker considered for drift")
@@ -477,6 +502,10 @@ class RouterConfig:
     )
     events: EventsConfig = field(
         default_factory=EventsConfig, metadata={"doc": "KV-event subscriptions and index bounds"}
+    )
+    index: IndexConfig = field(
+        default_factory=IndexConfig,
+        metadata={"doc": "where the KV index runs: in the router process or in shard processes"},
     )
     verify: VerifyConfig = field(
         default_factory=VerifyConfig, metadata={"doc": "checking predictions against engines"}

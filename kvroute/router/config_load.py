@@ -293,6 +293,12 @@ def validate(c: RouterConfig) -> list[str]:
     need(0 <= c.port <= 65535, f"port: expected 0..65535, got {c.port}")
     need(c.processes >= 1, f"processes: expected >= 1, got {c.processes}")
     need(c.log_level in LOG_LEVELS, f"log_level: expected one of {LOG_LEVELS}")
+    ix = c.index
+    need(0 <= ix.processes <= 64, f"index.processes: expected 0..64, got {ix.processes}")
+    for key in ("deadline_s", "status_interval_s", "restart_max_s"):
+        value = getattr(ix, key)
+        need(value > 0, f"index.{key}: expected a number > 0, got {value}")
+    need(ix.release_after_s >= 0, f"index.release_after_s: expected >= 0, got {ix.release_after_s}")
     if c.discovery:
         try:
             parse_discovery_config(c.discovery)

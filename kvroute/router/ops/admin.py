@@ -23,7 +23,7 @@ from kvroute.router.edge.body import read_bounded
 from kvroute.router.edge.errors import INVALID_FIELD, NOT_FOUND, RouterError, error_response
 from kvroute.router.edge.json_input import decode_json
 from kvroute.router.edge.openai_request import CHAT, COMPLETIONS, RESPONSES, parse_request
-from kvroute.router.fleet.event_subscriptions import EventSubscriptions
+from kvroute.router.fleet.event_subscriptions import EventFeed
 from kvroute.router.fleet.verify import Verifier
 from kvroute.router.fleet.workers import PREFILL, Worker, WorkerRegistry
 from kvroute.router.ops.admin_auth import AdminTokens, Scope
@@ -47,7 +47,7 @@ class Admin:
         registry: WorkerRegistry,
         routing: Routing,
         index: IndexView,
-        events: EventSubscriptions,
+        events: EventFeed,
         verifier: Verifier,
         decisions: DecisionLog,
         metrics: RouterMetrics,

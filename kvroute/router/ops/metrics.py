@@ -23,7 +23,7 @@ from kvroute.router.ops.lite_metrics import LiteFamily
 from kvroute.router.ops.lite_metrics import LiteHistogram as Histogram
 
 if TYPE_CHECKING:
-    from kvroute.router.fleet.event_subscriptions import EventSubscriptions
+    from kvroute.router.fleet.event_subscriptions import EventFeed
     from kvroute.router.fleet.workers import WorkerRegistry
     from kvroute.router.routing.index_view import IndexView
 
@@ -219,7 +219,7 @@ class RouterMetrics:
         self,
         registry: WorkerRegistry,
         index: IndexView | None,
-        events: EventSubscriptions | None,
+        events: EventFeed | None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.registry.register(WorkerStateCollector(registry, index, events, clock))
@@ -247,7 +247,7 @@ class WorkerStateCollector(Collector):
         self,
         workers: WorkerRegistry,
         index: IndexView | None,
-        events: EventSubscriptions | None,
+        events: EventFeed | None,
         clock: Callable[[], float],
     ) -> None:
         self._workers = workers

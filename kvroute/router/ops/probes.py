@@ -25,8 +25,10 @@ class Probes:
         registry: WorkerRegistry,
         configured_models: Iterable[str],
         clock: Callable[[], float] = time.monotonic,
+        index_ready: Callable[[], bool] | None = None,
     ) -> None:
         self._registry = registry
+        self._index_ready = index_ready
         self._configured = frozenset(configured_models)
         self._clock = clock
 
@@ -58,14 +60,16 @@ class Probes:
         return ready, sorted(known - ready_models)
 
     async def readyz(self, request: Request) -> Response:
-        """200 when at least one worker is ready and every expected model has one; else 503."""
+        """200 when at least one worker is ready and every expected model has one (and,
+        with index shard processes, every shard answers); else 503."""
         ready, missing = self.unready_models()
         ok = ready > 0 and not missing
-        return JSONResponse(
-            {
-                "status": "ok" if ok else "not_ready",
-                "ready_workers": ready,
-                "models_without_ready_worker": missing,
-            },
-            200 if ok else 503,
-        )
+        body: dict[str, object] = {
+            "ready_workers": ready,
+            "models_without_ready_worker": missing,
+        }
+        if self._index_ready is not None:
+            index_up = self._index_ready()
+            body["index"] = "up" if index_up else "down"
+            ok = ok and index_up
+        return JSONResponse({"status": "ok" if ok else "not_ready", **body}, 200 if ok else 503)

@@ -24,53 +24,72 @@ BYTES_PER_TOKEN = 10.0
 
 
 def chunk(key: int) -> ChunkInfo:
-    return ChunkInfo(key, (key,), None, tuple(range(16)), 16)
+    return ChunkInfo(key, 16 * (key + 1), (key,), None, tuple(range(16)), 16)
 
 
 class ModelTier:
-    """The tier's rule stated plainly: a list in recency order, least recent first."""
+    """vLLM's `lru` rule stated plainly: every chunk has a rank, the lowest evictable one goes
+    first (see kvroute/sim/offload/tier.py for the rule)."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self.order: list[int] = []
+        self.rank: dict[int, tuple[int, int]] = {}
         self.ready: set[int] = set()
         self.pins: Counter[int] = Counter()
         self.prepared: list[int] = []
         self.in_flight: list[int] = []
+        self.counter = 0
 
-    def offer(self, keys: list[int]) -> None:
-        new = [k for k in keys if k not in self.order]
+    def new_rank(self) -> int:
+        self.counter += 1
+        return self.counter
+
+    def offer(self, keys: list[int], rank: int) -> None:
+        for k in keys:
+            if k in self.ready and self.rank[k] < (rank, -chunk(k).end):
+                self.rank[k] = (rank, -chunk(k).end)
+        new = [k for k in keys if k not in self.rank]
         if not new:
             return
-        need = len(new) - (self.capacity - len(self.order))
+        need = len(new) - (self.capacity - len(self.rank))
         if need > 0:
-            free = [k for k in self.order if k in self.ready and not self.pins[k] and k not in keys]
+            free = sorted(
+                (k for k in self.rank if k in self.ready and not self.pins[k] and k not in keys),
+                key=self.rank.__getitem__,
+            )
             if len(free) < need:
                 return
             for k in free[:need]:
-                self.order.remove(k)
+                del self.rank[k]
                 self.ready.discard(k)
-        self.order.extend(reversed(new))
+        for k in new:
+            self.rank[k] = (rank, -chunk(k).end)
         self.prepared.extend(new)
 
-    def touch(self, keys: list[int]) -> None:
-        for k in reversed(keys):
-            if k in self.order:
-                self.order.remove(k)
-                self.order.append(k)
+    def finish(self, keys: list[int]) -> None:
+        for k in sorted(keys, reverse=True):  # the tail first, the head most recent
+            if k in self.rank:
+                self.rank[k] = (self.new_rank(), 0)
 
     def end_step(self) -> None:
-        self.ready.update(k for k in self.in_flight if k in self.order)
+        self.ready.update(k for k in self.in_flight if k in self.rank)
         self.in_flight, self.prepared = self.prepared, []
+
+    def order(self) -> list[int]:
+        return sorted((k for k in self.rank if k in self.ready), key=self.rank.__getitem__)
 
 
 OPS = st.lists(
     st.one_of(
-        st.tuples(st.just("offer"), st.lists(st.integers(0, 11), min_size=1, max_size=5)),
-        st.tuples(st.just("touch"), st.lists(st.integers(0, 11), max_size=4)),
-        st.tuples(st.just("pin"), st.integers(0, 11)),
-        st.tuples(st.just("unpin"), st.integers(0, 11)),
-        st.tuples(st.just("step"), st.just(0)),
+        st.tuples(
+            st.just("offer"),
+            st.integers(0, 3),
+            st.lists(st.integers(0, 11), min_size=1, max_size=5),
+        ),
+        st.tuples(st.just("finish"), st.integers(0, 3), st.just([])),
+        st.tuples(st.just("pin"), st.integers(0, 11), st.just([])),
+        st.tuples(st.just("unpin"), st.integers(0, 11), st.just([])),
+        st.tuples(st.just("step"), st.just(0), st.just([])),
     ),
     max_size=60,
 )
@@ -79,39 +98,47 @@ OPS = st.lists(
 @settings(max_examples=300, deadline=None)
 @given(capacity=st.integers(1, 6), ops=OPS)
 def test_the_tier_follows_the_plain_model_and_its_events_rebuild_it(
-    capacity: int, ops: list[tuple[str, object]]
+    capacity: int, ops: list[tuple[str, int, list[int]]]
 ) -> None:
     tier, model = CpuTier(capacity), ModelTier(capacity)
+    ranks: dict[int, int] = {}  # request -> rank (both sides number requests alike)
+    used: dict[int, set[int]] = {}
     rebuilt: set[int] = set()
-    for op, arg in ops:
+
+    def replay(events: list[KvEvent]) -> None:
+        for event in events:
+            assert event.medium == "CPU"  # type: ignore[union-attr]
+            if isinstance(event, BlockStored):
+                rebuilt.update(event.block_hashes)  # type: ignore[arg-type]
+            elif isinstance(event, BlockRemoved):
+                rebuilt.difference_update(event.block_hashes)  # type: ignore[arg-type]
+
+    for op, n, keys in ops:
         if op == "offer":
-            keys = list(dict.fromkeys(arg))  # type: ignore[call-overload]
-            tier.prepare_store([chunk(k) for k in keys])
-            model.offer(keys)
-        elif op == "touch":
-            tier.touch(list(arg))  # type: ignore[call-overload]
-            model.touch(list(arg))  # type: ignore[call-overload]
-        elif op == "pin" and tier.is_hit(arg):  # type: ignore[arg-type]
-            tier.pin([arg])  # type: ignore[list-item]
-            model.pins[arg] += 1  # type: ignore[index]
-        elif op == "unpin" and model.pins[arg]:  # type: ignore[index]
-            tier.unpin([arg])  # type: ignore[list-item]
-            model.pins[arg] -= 1  # type: ignore[index]
+            keys = sorted(set(keys))  # a request offers its chunks in prompt order
+            if n not in ranks:
+                ranks[n] = tier.new_rank()
+                assert model.new_rank() == ranks[n]
+            tier.prepare_store([chunk(k) for k in keys], ranks[n])
+            model.offer(keys, ranks[n])
+            used.setdefault(n, set()).update(keys)
+        elif op == "finish" and n in ranks:
+            done = sorted(used.pop(n))
+            tier.finish([chunk(k) for k in done])
+            model.finish(done)
+            del ranks[n]
+        elif op == "pin" and tier.is_hit(n):
+            tier.pin([n])
+            model.pins[n] += 1
+        elif op == "unpin" and model.pins[n]:
+            tier.unpin([n])
+            model.pins[n] -= 1
         elif op == "step":
             model.end_step()
-            for event in tier.end_step():
-                assert event.medium == "CPU"  # type: ignore[union-attr]
-                if isinstance(event, BlockStored):
-                    rebuilt.update(event.block_hashes)  # type: ignore[arg-type]
-                elif isinstance(event, BlockRemoved):
-                    rebuilt.difference_update(event.block_hashes)  # type: ignore[arg-type]
+            replay(tier.end_step())
         assert len(tier) <= capacity
-        assert [c.key for c in tier.ready_chunks()] == [k for k in model.order if k in model.ready]
-    for event in tier.flush():
-        if isinstance(event, BlockStored):
-            rebuilt.update(event.block_hashes)  # type: ignore[arg-type]
-        elif isinstance(event, BlockRemoved):
-            rebuilt.difference_update(event.block_hashes)  # type: ignore[arg-type]
+        assert [c.key for c in tier.ready_chunks()] == model.order()
+    replay(tier.flush())
     assert rebuilt == {c.key for c in tier.ready_chunks()}
 
 
@@ -198,17 +225,20 @@ def test_a_full_prompt_hit_is_reported_whole_and_the_last_token_recomputed() -> 
 
 def test_a_full_tier_evicts_least_recent_first_and_pinned_chunks_stay() -> None:
     tier = CpuTier(3)
-    tier.prepare_store([chunk(1), chunk(2), chunk(3)])  # head 1 ends most recent
+    older = tier.new_rank()
+    tier.prepare_store([chunk(1), chunk(2), chunk(3)], older)  # a live request: tail first
     tier.flush()
     assert [c.key for c in tier.ready_chunks()] == [3, 2, 1]
     tier.pin([3])
-    tier.prepare_store([chunk(4)])
+    tier.prepare_store([chunk(4)], tier.new_rank())
     events = tier.flush()
     assert isinstance(events[0], BlockRemoved) and events[0].block_hashes == [2]
     assert [c.key for c in tier.ready_chunks()] == [3, 1, 4]
+    tier.finish([chunk(3), chunk(1)])  # the older request ends: its chunks most recent
+    assert [c.key for c in tier.ready_chunks()] == [4, 3, 1]
     tier.pin([1])
     tier.pin([4])
-    assert tier.prepare_store([chunk(5)]) is None  # nothing evictable: the store is skipped
+    assert tier.prepare_store([chunk(5)], tier.new_rank()) is None  # nothing evictable
     assert tier.store_failures == 1 and not tier.flush()
 
 

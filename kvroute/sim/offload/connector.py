@@ -66,15 +66,13 @@ class SeqSource(Protocol):
 @dataclass(slots=True)
 class _ReqState:
     stored_upto: int = 0  # chunks [0, stored_upto) were offered
-    used: list[int] = field(default_factory=list)  # chunks read or written, prompt order
-    seen: set[int] = field(default_factory=set)
+    rank: int = 0  # the request's recency rank in the tier (0: none yet)
+    used: dict[int, ChunkInfo] = field(default_factory=dict)  # chunks read or offered
     loading: list[int] = field(default_factory=list)  # pinned for a load in flight
 
-    def use(self, keys: list[int]) -> None:
-        for key in keys:
-            if key not in self.seen:
-                self.seen.add(key)
-                self.used.append(key)
+    def use(self, chunks: list[ChunkInfo]) -> None:
+        for chunk in chunks:
+            self.used.setdefault(chunk.key, chunk)
 
 
 class OffloadConnector:
@@ -119,6 +117,7 @@ class OffloadConnector:
         req = seq.req
         return ChunkInfo(
             key=self._key(seq, chunk),
+            end=start + self.chunk_tokens,
             block_hashes=blocks,
             parent_block_hash=external(seq.block_hashes[first - 1]) if first else None,
             token_ids=tuple(seq.all_token_ids[start : start + self.chunk_tokens]),
@@ -129,7 +128,8 @@ class OffloadConnector:
         )
 
     # ---- lookups and loads ----------------------------------------------------------------
-    def _hit(self, seq: CacheSeq, gpu_hit: int, num_tokens: int) -> tuple[int, list[int]]:
+    def _hit(self, seq: CacheSeq, gpu_hit: int, num_tokens: int) -> tuple[int, list[int], int]:
+        """(tokens beyond the GPU hit, keys of the chunks to load, index of the first)."""
         computed = gpu_hit - gpu_hit % self.block_size
         start = computed // self.chunk_tokens
         end = self._num_chunks(seq, num_tokens)
@@ -137,12 +137,17 @@ class OffloadConnector:
         hits = self.tier.count_hits(keys)
         hit = min(num_tokens, (start + hits) * self.chunk_tokens) - computed
         if hit < self.chunk_tokens:
-            return 0, []
-        return hit, keys[:hits]
+            return 0, [], start
+        return hit, keys[:hits], start
 
     def peek(self, request_id: str, gpu_hit: int, num_tokens: int) -> int:
         """Tokens beyond the GPU hit a load from the tier would give now (no side effects)."""
         return self._hit(self.cache.seq(request_id), gpu_hit, num_tokens)[0]
+
+    def _rank(self, state: _ReqState) -> int:
+        if not state.rank:
+            state.rank = self.tier.new_rank()
+        return state.rank
 
     def lookup(self, request_id: str, gpu_hit: int, num_tokens: int) -> int:
         """On admission: the tokens beyond `gpu_hit` to load from the tier (0: none). A hit
@@ -150,12 +155,13 @@ class OffloadConnector:
         seq = self.cache.seq(request_id)
         state = self._states.setdefault(request_id, _ReqState())
         state.stored_upto = 0
-        hit, keys = self._hit(seq, gpu_hit, num_tokens)
+        hit, keys, first = self._hit(seq, gpu_hit, num_tokens)
         if hit:
+            chunks = [self._info(seq, c) for c in range(first, first + len(keys))]
             self.tier.pin(keys)
+            self.tier.access(chunks, self._rank(state))
             state.loading = keys
-            state.use(keys)
-            self.tier.touch(keys)
+            state.use(chunks)
             end = gpu_hit - gpu_hit % self.block_size + hit
             state.stored_upto = -(-end // self.chunk_tokens)
         return hit
@@ -180,12 +186,13 @@ class OffloadConnector:
         if end <= state.stored_upto:
             return
         chunks = [self._info(seq, c) for c in range(state.stored_upto, end)]
-        # the chunks the request already used are as recent as the ones it adds, so its
-        # stores do not evict what it just loaded (vLLM ranks a live request's chunks together)
-        self.tier.touch(state.used)
-        if self.tier.prepare_store(chunks) is None:
+        # vLLM records (and ranks the request by) the chunks it stores or finds ready, not
+        # those another request's store still holds pending
+        recorded = self.tier.recorded(chunks)
+        rank = self._rank(state) if recorded else 0
+        state.use(recorded)
+        if self.tier.prepare_store(chunks, rank) is None:
             return  # no room now: offered again next step, as vLLM retries
-        state.use([c.key for c in chunks])
         state.stored_upto = end
 
     def finish(self, request_id: str, num_computed: int) -> None:
@@ -196,7 +203,7 @@ class OffloadConnector:
         self.offer(request_id, num_computed)
         state = self._states.pop(request_id)
         self.tier.unpin(state.loading)
-        self.tier.touch(state.used)
+        self.tier.finish(list(state.used.values()))
 
     def forget(self, request_id: str) -> None:
         """Drop a request's bookkeeping without storing (its cache state is gone)."""

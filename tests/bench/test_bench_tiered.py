@@ -54,6 +54,8 @@ def test_tokens_per_tier_are_read_from_the_engines_metrics() -> None:
             body = {"prompt": prompt, "max_tokens": 1}
             assert httpx.post(f"{sim.url}/v1/completions", json=body, timeout=30).status_code == 200
         after = cached_by_source(engines)
+        tier = httpx.get(f"{sim.url}/sim/state", timeout=10).json()["cpu_tier"]
+    assert tier["chunks"] == 3 * (600 // 16) and tier["capacity_chunks"] == 8192 // 16
     assert set(after) == {"device", "host", "p2p", "disk", "external_unspecified"}
     assert after["host"] - before.get("host", 0) > 400  # the first prompt came back from CPU
     assert after["device"] + after["host"] == 592

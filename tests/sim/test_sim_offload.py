@@ -278,6 +278,22 @@ def test_the_router_rebuilds_the_tier_from_the_events(chunk_blocks: int) -> None
     assert rig.offload.tier.evicted > 0  # the tier was full and evicted along the way
 
 
+def test_the_engine_shows_its_tier_and_a_skipped_store_is_logged_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    rig = Rig(chunk_blocks=1, cpu_chunks=2, num_blocks=40)
+    rig.run("a", list(range(100, 132)))  # fills the tier's two chunks
+    held = [c.key for c in rig.offload.tier.ready_chunks()]
+    rig.offload.tier.pin(held)  # as a load in flight does
+    with caplog.at_level("WARNING", logger="kvroute.sim.offload.connector"):
+        for i in range(3):  # each request's stores find the tier pinned full
+            rig.run(f"b{i}", list(range(500 + 50 * i, 540 + 50 * i)))
+    state = rig.offload.state()
+    assert state["chunks"] == 2 and state["evicted_chunks"] == 0
+    assert state["skipped_stores"] >= 3 and state["capacity_chunks"] == 2
+    assert sum("store was skipped" in r.getMessage() for r in caplog.records) == 1
+
+
 def test_options_that_do_not_go_together_are_refused() -> None:
     with pytest.raises(ValueError, match="full-attention"):
         EngineConfig(profile="swa", cpu_offload=OffloadConfig(1 << 30)).cache_spec()

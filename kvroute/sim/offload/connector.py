@@ -19,14 +19,18 @@ What it does, as vLLM's `OffloadingConnectorScheduler` does:
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
+from kvroute.ratelog import RateLimitedLog
 from kvroute.sim.cache.hashing import external
 from kvroute.sim.cache.request import CacheSeq
 from kvroute.sim.cache_api import FULL_KINDS, CacheSpec
 from kvroute.sim.events import KvEvent
 from kvroute.sim.offload.tier import ChunkInfo, CpuTier
+
+log = logging.getLogger(__name__)
 
 GIB = 1 << 30
 # PCIe 4.0 x16 as measured for host-to-device copies (~26 GB/s), in bit/s: 200k tokens/s at
@@ -97,6 +101,7 @@ class OffloadConnector:
         self.tier = CpuTier(capacity)
         self._group_kind = spec.groups[0].kind
         self._states: dict[str, _ReqState] = {}
+        self._ratelog = RateLimitedLog(log, interval_s=10.0)
 
     # ---- chunks ---------------------------------------------------------------------------
     def _num_chunks(self, seq: CacheSeq, tokens: int) -> int:
@@ -192,7 +197,11 @@ class OffloadConnector:
         rank = self._rank(state) if recorded else 0
         state.use(recorded)
         if self.tier.prepare_store(chunks, rank) is None:
-            return  # no room now: offered again next step, as vLLM retries
+            # no room now (loads pin the rest): offered again next step, as vLLM retries
+            self._ratelog.warning(
+                "store", "CPU tier full of pinned or pending chunks: a store was skipped"
+            )
+            return
         state.stored_upto = end
 
     def finish(self, request_id: str, num_computed: int) -> None:
@@ -210,6 +219,17 @@ class OffloadConnector:
         state = self._states.pop(request_id, None)
         if state is not None:
             self.tier.unpin(state.loading)
+
+    def state(self) -> dict[str, Any]:
+        """What `/sim/state` shows of the tier."""
+        tier = self.tier
+        return {
+            "capacity_chunks": tier.capacity,
+            "chunk_tokens": self.chunk_tokens,
+            "chunks": len(tier),
+            "evicted_chunks": tier.evicted,
+            "skipped_stores": tier.store_failures,
+        }
 
     def end_step(self) -> list[KvEvent]:
         """The step's CPU events (after its GPU events in the batch)."""

@@ -162,7 +162,7 @@ class CpuTier:
             if victims is None:
                 self.store_failures += 1
                 return None
-            removed: list[int] = []
+            removed: list[int | bytes] = []
             for key in victims:
                 removed.extend(self._slots.pop(key).info.block_hashes)
             self.evicted += len(victims)

@@ -12,6 +12,13 @@ the oracle (asks every engine for its true hit before each request); and the ben
 naive text-prefix and round-robin proxies.
 
 ``--smoke`` runs a two-engine fleet, a short trace and two routers in well under a minute.
+
+Offloaded KV (``--preset tiered``): chat conversations whose users think long enough between
+turns that a small GPU pool has dropped their history by the time they return; with
+``--fleet-args`` giving the engines a small ``--num-blocks`` and a large ``--cpu-offload-gib``
+(``TIERED_FLEET_ARGS``), a returning turn can come back from an engine's CPU tier. Each row
+then has ``cached_by_source``: the prompt tokens the engines took from their GPU (``device``)
+and CPU (``host``) tiers (vLLM's ``vllm:prompt_tokens_cached_by_source``).
 """
 
 from __future__ import annotations
@@ -24,10 +31,13 @@ import platform
 import shlex
 import sys
 import time
+import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.report import routing_markdown, routing_plot
 from kvroute.testbed.loadgen import LoadConfig, progress_printer, run_trace
@@ -51,11 +61,19 @@ from kvroute.testbed.routers import (
     kvroute_predictions,
     start_router,
 )
-from kvroute.testbed.sim_fleet import Fleet, FleetError, delta, scrape, start_fleet, vllm_python
+from kvroute.testbed.sim_fleet import (
+    Engine,
+    Fleet,
+    FleetError,
+    delta,
+    scrape,
+    start_fleet,
+    vllm_python,
+)
 from kvroute.testbed.stats import summarize
 from kvroute.testbed.textgen import TokenSpace
 from kvroute.testbed.trace import TraceRequest, from_mooncake, read_jsonl, read_mooncake
-from kvroute.testbed.workload import PRESETS, describe, generate
+from kvroute.testbed.workload import PRESETS, ChatSpec, WorkloadSpec, describe, generate
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # The simulated GPU runs 5x slower than the modelled H100 so that its time, not the CPU noise
@@ -63,6 +81,28 @@ RESULTS = Path(__file__).resolve().parent / "results"
 # fill and evict under the default trace, so where a prefix lives matters.
 FULL_FLEET_ARGS = ("--speed", "0.2", "--num-blocks", "2048")
 SMOKE_FLEET_ARGS = ("--speed", "1.0", "--num-blocks", "2048")
+# A tiered fleet: 400 GPU blocks (6,400 tokens) and a 4 GiB CPU tier (32,768 tokens) per engine.
+TIERED_FLEET_ARGS = (
+    "--speed", "0.2", "--num-blocks", "400", "--max-model-len", "4096",
+    "--cpu-offload-gib", "4",
+)  # fmt: skip
+# Conversations only: 64 chats of 3-6 turns that start within 30 s and return after 12 s of
+# thought on average, long enough for the other conversations to push them out of a small GPU
+# pool, not out of a CPU tier several times larger.
+TIERED = WorkloadSpec(
+    duration_s=30.0,
+    chat=ChatSpec(
+        sessions=64,
+        turns=(3, 6),
+        system_tokens=(400, 1200),
+        user_tokens=(60, 300),
+        answer_tokens=(40, 120),
+        think_time_s=12.0,
+    ),
+    agent=replace(WorkloadSpec().agent, sessions=0),
+    burst=replace(WorkloadSpec().burst, bursts=0),
+)
+BENCH_PRESETS: dict[str, WorkloadSpec] = {**PRESETS, "tiered": TIERED}
 PROFILES = ("dense", "swa", "mamba")
 FULL_ROUTERS = (
     "kvroute",
@@ -154,6 +194,26 @@ def _bridge_pids(fleet: Fleet) -> list[int]:
     return [pid for pid, (cmdline, _) in found.items() if " bridge " in f" {cmdline} "]
 
 
+def cached_by_source(engines: Sequence[Engine]) -> dict[str, float]:
+    """Prompt tokens the engines took from each cache tier so far (`device`: GPU, `host`:
+    CPU), summed over engines, from vLLM's `vllm:prompt_tokens_cached_by_source`."""
+    out: dict[str, float] = {}
+    for e in engines:
+        try:
+            with urllib.request.urlopen(e.url + "/metrics", timeout=5.0) as resp:
+                text = resp.read().decode()
+        except (OSError, ValueError):
+            continue
+        for fam in text_string_to_metric_families(text):
+            if fam.name != "vllm:prompt_tokens_cached_by_source":
+                continue
+            for sample in fam.samples:
+                if sample.name.endswith("_total"):
+                    source = sample.labels.get("source", "")
+                    out[source] = out.get(source, 0.0) + float(sample.value)
+    return out
+
+
 def _fleet_args(cfg: BenchConfig, spec: RouterSpec) -> tuple[str, ...]:
     """The fleet's options for one router's run: with ``--bridges router``, no bridges unless
     the router reads them (the engines publish their events either way), and kvroute's
@@ -187,6 +247,7 @@ def run_router(cfg: BenchConfig, profile: str, name: str, run_dir: Path) -> dict
         print(f"[{profile}] {name}: replaying {len(cfg.trace)} requests", file=sys.stderr)
         load_before = os.getloadavg()[0]
         before = scrape(fleet.engines)
+        sources_before = cached_by_source(fleet.engines)
         load = replace(cfg.load, url=router.url, model=fleet.model)
         cpu0, replay0 = _cpu_by_role(router, fleet), time.monotonic()
         with pinned(cfg.fleet_cpus):  # the load generator runs in this process
@@ -199,6 +260,10 @@ def run_router(cfg: BenchConfig, profile: str, name: str, run_dir: Path) -> dict
         row["cpu_s"] = {role: round(cpu1[role] - cpu0.get(role, 0.0), 2) for role in cpu1}
         row["router_busy"] = round(row["cpu_s"]["router"] / max(replay_s, 1e-9), 3)
         after = scrape(fleet.engines)
+        sources = cached_by_source(fleet.engines)
+        row["cached_by_source"] = {
+            k: round(v - sources_before.get(k, 0.0)) for k, v in sources.items() if v
+        }
         # The machine is shared: keep how busy it was, since TTFT includes CPU contention.
         row["loadavg_1m"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
         if spec.kind == "kvroute":
@@ -284,7 +349,7 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
         trace_name = Path(args.trace).name
     else:
         preset = args.preset or ("smoke" if args.smoke else "default")
-        spec = PRESETS[preset]
+        spec = BENCH_PRESETS[preset]
         if args.seed is not None:
             spec = replace(spec, seed=args.seed)
         if args.duration is not None:
@@ -377,7 +442,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--routers", default=None, help=f"comma list of {sorted(ROUTERS)}")
     p.add_argument("--workers", type=int, default=None)
-    p.add_argument("--preset", choices=sorted(PRESETS), default=None)
+    p.add_argument(
+        "--preset",
+        choices=sorted(BENCH_PRESETS),
+        default=None,
+        help="tiered: conversations that return late, for a fleet with a CPU tier (see above)",
+    )
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--duration", type=float, default=None, help="session start window (s)")
     p.add_argument("--trace", default=None, help="replay this kvroute JSONL trace")

@@ -16,6 +16,8 @@ from kvroute.sim.engine.kv_transfer import (
     KV_ROLES,
     TransferConfig,
 )
+from kvroute.sim.offload import OffloadConfig
+from kvroute.sim.offload.connector import DEFAULT_CPU_LINK_BITS_PER_S, GIB
 from kvroute.sim.profiles import PROFILES
 
 
@@ -84,6 +86,25 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="seconds a producer keeps unpulled blocks (vLLM's kv_lease_duration; > 0)",
     )
     p.add_argument(
+        "--cpu-offload-gib",
+        type=float,
+        default=0.0,
+        help="CPU tier size, GiB (vLLM's --kv-offloading-size with the native backend; "
+        "0 = off; full-attention profiles only)",
+    )
+    p.add_argument(
+        "--cpu-offload-gbps",
+        type=float,
+        default=DEFAULT_CPU_LINK_BITS_PER_S / 1e9,
+        help="host-to-GPU copy rate of CPU-tier loads, Gbit/s (> 0; default ~PCIe 4.0 x16)",
+    )
+    p.add_argument(
+        "--cpu-offload-chunk-blocks",
+        type=int,
+        default=1,
+        help="GPU blocks per offloaded chunk (vLLM's blocks_per_chunk; >= 1)",
+    )
+    p.add_argument(
         "--runner",
         choices=("generate", "pooling"),
         default="generate",
@@ -110,7 +131,15 @@ def cache_factory(name: str) -> Callable[[CacheSpec], CacheBackend]:
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    """The engine settings the options describe."""
+    """The engine settings the options describe (ValueError for options that do not go
+    together)."""
+    if args.cpu_offload_gib > 0:
+        if args.cache_backend != "sim":
+            raise ValueError("--cpu-offload-gib runs on --cache-backend sim only")
+        if args.wire_version != "0.33":
+            raise ValueError(
+                "--cpu-offload-gib publishes vLLM 0.33's CPU events: --wire-version 0.33"
+            )
     return EngineConfig(
         model=args.model,
         lora_adapters=tuple(args.lora),
@@ -127,6 +156,13 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         kv_transfer=None
         if args.kv_role is None
         else TransferConfig(args.kv_role, args.kv_link_gbps * 1e9 / 8, args.kv_lease_s),
+        cpu_offload=None
+        if args.cpu_offload_gib <= 0
+        else OffloadConfig(
+            int(args.cpu_offload_gib * GIB),
+            args.cpu_offload_gbps * 1e9 / 8,
+            args.cpu_offload_chunk_blocks,
+        ),
     )
 
 
@@ -150,6 +186,10 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
         out.append("--no-events")
     if args.no_replay:
         out.append("--no-replay")
+    if args.cpu_offload_gib > 0:
+        out += ["--cpu-offload-gib", str(args.cpu_offload_gib),
+                "--cpu-offload-gbps", str(args.cpu_offload_gbps),
+                "--cpu-offload-chunk-blocks", str(args.cpu_offload_chunk_blocks)]  # fmt: skip
     if args.kv_role is not None:
         out += ["--kv-role", args.kv_role, "--kv-link-gbps", str(args.kv_link_gbps),
                 "--kv-lease-s", str(args.kv_lease_s)]  # fmt: skip

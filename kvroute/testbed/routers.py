@@ -156,6 +156,15 @@ ROUTERS: dict[str, RouterSpec] = {
                 ("KVROUTE_POLICY__AFFINITY_WEIGHT", "0.5"),
             ),
         ),
+        RouterSpec(
+            "kvroute-gpu-only",
+            "kvroute (default, no credit for CPU-tier KV: its tokens priced as prefill)",
+            "kvroute",
+            "ttft",
+            # a CPU-tier token costs what prefilling it costs (policy.prefill_tokens_per_s's
+            # default), so only GPU reuse draws a request
+            (("KVROUTE_POLICY__CPU_TIER_TOKENS_PER_S", "20000"),),
+        ),
         RouterSpec("kvroute-session", "kvroute session affinity", "kvroute", "session"),
         RouterSpec("kvroute-least-load", "kvroute least load", "kvroute", "least_load"),
         RouterSpec("kvroute-round-robin", "kvroute round robin", "kvroute", "round_robin"),

@@ -409,6 +409,8 @@ def _sim_state(
         state["events"] = publisher.state()
     if engine.kv is not None:
         state["kv_transfer"] = engine.kv.state()
+    if s.offload is not None:
+        state["cpu_tier"] = {**s.offload.state(), "loading": len(s.loading)}
     return state
 
 

@@ -35,6 +35,10 @@ class SimCache:
             raise ValueError(f"duplicate request id {req.request_id!r}")
         self.seqs[req.request_id] = CacheSeq(req, self.spec.hash_block_size)
 
+    def seq(self, request_id: str) -> CacheSeq:
+        """The request's tokens and hash chain (what a KV connector reads)."""
+        return self.seqs[request_id]
+
     def num_computed_tokens(self, request_id: str) -> int:
         return self.seqs[request_id].num_computed_tokens
 

@@ -25,7 +25,9 @@ from kvroute.sim.engine.generation import OutputStream, word_token_ids
 from kvroute.sim.engine.kv_transfer import KvTransfer, TransferConfig
 from kvroute.sim.engine.metrics import EngineMetrics
 from kvroute.sim.engine.scheduler import Scheduler, StepPlan
+from kvroute.sim.events import KvEvent
 from kvroute.sim.model import MODEL_DIR
+from kvroute.sim.offload import OffloadConfig, OffloadConnector, check_offloadable
 from kvroute.sim.profiles import profile_groups
 from kvroute.sim.publisher import EventPublisher
 from kvroute.sim.timing import DEFAULT_GPU, GpuModel, chunk_context
@@ -57,6 +59,7 @@ class EngineConfig:
     # vLLM serves with prefix caching on: its embed requests read and fill the cache)
     runner: str = "generate"
     kv_transfer: TransferConfig | None = None  # prefill/decode disaggregation (None: off)
+    cpu_offload: OffloadConfig | None = None  # vLLM's native CPU tier (None: off)
 
     def cache_spec(self) -> CacheSpec:
         """The cache layout and limits; ValueError if one max_model_len request cannot fit."""
@@ -69,6 +72,8 @@ class EngineConfig:
             max_num_scheduled_tokens=self.max_num_batched_tokens,
             max_in_flight_tokens=self.max_num_batched_tokens,
         )
+        if self.cpu_offload is not None:
+            check_offloadable(spec)
         need = sum(-(-self.max_model_len // g.block_size) for g in groups) + 1
         if self.num_blocks < need:
             raise ValueError(
@@ -192,12 +197,22 @@ class Engine:
             )
 
     def _new_core(self) -> None:
-        self.cache: CacheBackend = self._cache_factory(self.config.cache_spec())
+        spec = self.config.cache_spec()
+        self.cache: CacheBackend = self._cache_factory(spec)
+        offload = None
+        if self.config.cpu_offload is not None:
+            if not isinstance(self.cache, SimCache):
+                raise ValueError("the CPU tier runs on the sim cache backend only")
+            offload = OffloadConnector(
+                self.config.cpu_offload, spec, self.cache, self.config.gpu.kv_bytes_per_token
+            )
         self.scheduler = Scheduler(
             self.cache,
             max_num_seqs=self.config.max_num_seqs,
             max_num_scheduled_tokens=self.config.max_num_batched_tokens,
+            offload=offload,
         )
+        self._loads: dict[str, float] = {}  # request -> loop time its CPU-tier load is done
         self._reported_queries = self._reported_hits = self._reported_preempt = 0
 
     # ---- lifecycle ----------------------------------------------------------------------
@@ -285,7 +300,11 @@ class Engine:
         rid = f"probe-{uuid.uuid4().hex}"
         self.cache.add_request(self._cache_request(rid, prompt_ids, lora_name, cache_salt))
         try:
-            return self.cache.lookup(rid).hit_tokens, self.cache.per_group_hits(rid)
+            hit = self.cache.lookup(rid).hit_tokens
+            offload = self.scheduler.offload
+            if offload is not None:  # vLLM reports tokens loaded from the CPU tier as cached
+                hit += offload.peek(rid, hit, len(prompt_ids))
+            return hit, self.cache.per_group_hits(rid)
         finally:
             self.cache.free(rid)
 
@@ -359,7 +378,9 @@ class Engine:
                 await self._unhung.wait()
                 next_t = loop.time()  # the GPU was frozen too: no catching up afterwards
             self._apply_control()
+            self._finish_loads(loop.time())
             if not self.scheduler.has_work():
+                self._publish(self.scheduler.flush_offload())
                 self._wake.clear()
                 if self.kv is not None and self.kv.leases:
                     # idle with kept blocks: wake up to let their leases run out
@@ -375,10 +396,14 @@ class Engine:
             plan = self.scheduler.schedule(
                 partial(self._arrived_by, next_t) if on_schedule else None
             )
+            self._start_loads(plan, loop.time())
             if not plan.scheduled:
                 self._wake.clear()
+                wait = 0.05
+                if self._loads:  # nothing to run until a load from the CPU tier is done
+                    wait = min(wait, max(0.0, min(self._loads.values()) - loop.time()))
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), 0.05)
+                    await asyncio.wait_for(self._wake.wait(), wait)
                 next_t = loop.time()
                 continue
             began = next_t if on_schedule else max(next_t, loop.time())
@@ -389,7 +414,9 @@ class Engine:
                     reported = h.request.cached_tokens_reported
                     # vLLM counts tokens loaded from a peer as cached, unless the peer's hit is
                     # reported instead
-                    h.cached_tokens = s.cached_tokens + s.external if reported is None else reported
+                    loaded = s.tier or s.external
+                    h.cached_tokens = s.cached_tokens + loaded if reported is None else reported
+                    self.metrics.cached_by_source("host", s.tier)
                     self.metrics.queue_time.observe(began - h.arrival)
             dt = self._step_seconds(plan) * self.slowdown / self.config.speed
             self.busy_seconds += dt
@@ -400,11 +427,28 @@ class Engine:
                 next_t = loop.time()
             result = self.scheduler.complete(plan, self._sample, self._stops)
             self.steps += 1
-            if self.publisher is not None and result.events:
-                self.publisher.publish(result.events)
+            self._publish(result.events)
             self._lease(result.kept)
             self._deliver(result.tokens, result.finished)
             self._update_gauges()
+
+    def _publish(self, events: list[KvEvent]) -> None:
+        if self.publisher is not None and events:
+            self.publisher.publish(events)
+
+    def _start_loads(self, plan: StepPlan, now: float) -> None:
+        """Requests that began loading from the CPU tier: when each load will be done."""
+        offload = self.scheduler.offload
+        for rid, tokens in plan.loads:
+            if offload is not None:
+                seconds = offload.load_seconds(tokens) * self.slowdown / self.config.speed
+                self._loads[rid] = now + seconds
+
+    def _finish_loads(self, now: float) -> None:
+        for rid, ready in list(self._loads.items()):
+            if ready <= now:
+                del self._loads[rid]
+                self.scheduler.load_done(rid)
 
     def _arrived_by(self, t: float, request_id: str) -> bool:
         handle = self.handles.get(request_id)
@@ -441,9 +485,9 @@ class Engine:
         if self._reset_requested is not None:
             fut, self._reset_requested = self._reset_requested, None
             ok = self.cache.reset()
-            events = self.cache.end_step()
-            if self.publisher is not None and events:
-                self.publisher.publish(events)
+            if ok and self.scheduler.offload is not None:
+                self.scheduler.offload.reset()  # vLLM resets the connector's tier with it
+            self._publish(self.cache.end_step())
             if not fut.done():
                 fut.set_result(ok)
 
@@ -554,6 +598,7 @@ class Engine:
         m.kv_usage.set(self.cache.usage())
         m.prefix_queries.inc(s.prefix_queries - self._reported_queries)
         m.prefix_hits.inc(s.prefix_hits - self._reported_hits)
+        m.cached_by_source("device", s.prefix_hits - self._reported_hits)
         m.preemptions.inc(s.num_preemptions - self._reported_preempt)
         self._reported_queries = s.prefix_queries
         self._reported_hits = s.prefix_hits

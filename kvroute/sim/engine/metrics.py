@@ -13,6 +13,8 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
 LABELS = ("model_name", "engine")
+# vLLM's CacheHitSource values (vllm/v1/metrics/cache_hit_source.py), every one exported at 0
+CACHE_HIT_SOURCES = ("device", "host", "p2p", "disk", "external_unspecified")
 
 
 class EngineMetrics:
@@ -56,6 +58,16 @@ class EngineMetrics:
             registry=r,
         )
         self._labels = lv
+        self._by_source = Counter(
+            "vllm:prompt_tokens_cached_by_source",
+            "Prefix-cache hit tokens by the cache tier that supplied them: device (local HBM), "
+            "host (offloaded to DRAM), disk, p2p (transferred from another vLLM instance) or "
+            "external_unspecified. Counted at admission.",
+            [*LABELS, "source"],
+            registry=r,
+        )
+        for source in CACHE_HIT_SOURCES:
+            self._by_source.labels(*lv, source)
         self.ttft = histogram(
             "vllm:time_to_first_token_seconds", "Time to first token in seconds", TTFT_BUCKETS
         )
@@ -89,6 +101,11 @@ class EngineMetrics:
             str(kv_cache_size_tokens(spec)),
             self._labels[1],
         ).set(1)
+
+    def cached_by_source(self, source: str, tokens: int) -> None:
+        """Count prompt tokens a request found cached in `source` (one of CACHE_HIT_SOURCES)."""
+        if tokens:
+            self._by_source.labels(*self._labels, source).inc(tokens)
 
     def finished(self, reason: str) -> None:
         """Count a request that finished for `reason` (stop, length)."""

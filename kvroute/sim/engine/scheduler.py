@@ -6,6 +6,13 @@ are free slots (max_num_seqs) and token budget (max_num_scheduled_tokens), each 
 its prefix-cache hit. Prefill is chunked by the budget (and by the Mamba aligned split).
 `complete()` then applies the step's results: sampled tokens, stops, frees, and returns the
 step's KV events. Time is added by the engine (kvroute.sim.engine.core) from the returned plan.
+
+With a CPU tier (`kvroute.sim.offload`), a waiting request whose prompt continues in the tier
+beyond its GPU hit leaves the queue to load it (`StepPlan.loads`, vLLM's
+WAITING_FOR_REMOTE_KVS); when the engine says the load is done (`load_done`) it goes back to
+the front of the queue and is admitted with the loaded tokens as computed. Every step offers
+the tier the chunks the scheduled requests filled, and a batch's CPU events follow its GPU
+events.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from dataclasses import dataclass, field
 
 from kvroute.sim.cache_api import CacheBackend, CacheRequest
 from kvroute.sim.events import KvEvent
+from kvroute.sim.offload import OffloadConnector
 
 
 @dataclass(slots=True)
@@ -32,6 +40,8 @@ class SchedRequest:
     # prompt tokens up to here arrive from a prefill peer (a KV connector's external tokens);
     # they are taken on admission without compute, once
     external_end: int = 0
+    tier_checked: bool = False  # the CPU tier was looked up since the last (re)admission
+    tier_end: int = 0  # GPU hit + tokens loaded from the CPU tier (what vLLM reports cached)
 
     @property
     def request_id(self) -> str:
@@ -51,6 +61,7 @@ class Scheduled:
     new: bool  # admitted this step
     cached_tokens: int  # prefix-cache hit adopted on admission (0 otherwise)
     external: int = 0  # of num_tokens, loaded from a prefill peer rather than computed
+    tier: int = 0  # prompt tokens loaded from the CPU tier (reported cached with the GPU hit)
 
 
 @dataclass(slots=True)
@@ -59,6 +70,7 @@ class StepPlan:
 
     scheduled: list[Scheduled] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+    loads: list[tuple[str, int]] = field(default_factory=list)  # (request, tokens) from CPU
 
     @property
     def num_tokens(self) -> int:
@@ -84,9 +96,16 @@ class Scheduler:
     """vLLM's V1 scheduling over a `CacheBackend` (see the module docstring)."""
 
     def __init__(
-        self, cache: CacheBackend, *, max_num_seqs: int = 256, max_num_scheduled_tokens: int = 2048
+        self,
+        cache: CacheBackend,
+        *,
+        max_num_seqs: int = 256,
+        max_num_scheduled_tokens: int = 2048,
+        offload: OffloadConnector | None = None,
     ) -> None:
         self.cache = cache
+        self.offload = offload
+        self.loading: dict[str, int] = {}  # request -> tokens being loaded from the CPU tier
         self.max_num_seqs = max_num_seqs
         self.budget = max_num_scheduled_tokens
         self.requests: dict[str, SchedRequest] = {}
@@ -124,7 +143,19 @@ class Scheduler:
             self.running.remove(request_id)
         elif request_id in self.waiting:
             self.waiting.remove(request_id)
+        self.loading.pop(request_id, None)
+        if self.offload is not None:
+            # vLLM stores an aborted request's chunks up to what it computed
+            self.offload.finish(request_id, sr.num_computed)
         self.cache.free(request_id)
+
+    def load_done(self, request_id: str) -> None:
+        """The request's load from the CPU tier finished: back to the front of the queue."""
+        if self.loading.pop(request_id, None) is None:
+            return
+        if self.offload is not None:
+            self.offload.load_done(request_id)
+        self.waiting.appendleft(request_id)
 
     @property
     def num_running(self) -> int:
@@ -135,8 +166,12 @@ class Scheduler:
         return len(self.waiting)
 
     def has_work(self) -> bool:
-        """Whether any request is running or waiting."""
-        return bool(self.running or self.waiting)
+        """Whether any request is running, waiting or loading from the CPU tier."""
+        return bool(self.running or self.waiting or self.loading)
+
+    def flush_offload(self) -> list[KvEvent]:
+        """The CPU tier's pending store events (for an engine going idle)."""
+        return self.offload.flush() if self.offload is not None else []
 
     # ---- one step --------------------------------------------------------------------
     def schedule(self, admissible: Callable[[str], bool] | None = None) -> StepPlan:
@@ -176,8 +211,10 @@ class Scheduler:
                     break
                 sr = self.requests[rid]
                 lookup = self.cache.lookup(rid)
+                if self._load_from_tier(rid, sr, lookup.hit_tokens, plan):
+                    continue
                 # the last prompt token is always computed (its logits give the first token)
-                ext_end = min(sr.external_end, sr.num_prompt - 1)
+                ext_end = min(sr.external_end, sr.num_tokens - 1)
                 ext = max(0, ext_end - lookup.hit_tokens)
                 n = ext + min(sr.num_tokens - lookup.hit_tokens - ext, budget)
                 n = self.cache.split_chunk(rid, n, lookup.hit_tokens)
@@ -192,21 +229,43 @@ class Scheduler:
                 if sr.hit_tokens is None:
                     sr.hit_tokens = lookup.hit_tokens
                 sr.num_computed = lookup.hit_tokens
+                tier = max(0, sr.tier_end - lookup.hit_tokens)
+                sr.tier_end = 0
                 plan.scheduled.append(
-                    Scheduled(rid, n, new=True, cached_tokens=lookup.hit_tokens, external=ext)
+                    Scheduled(
+                        rid, n, new=True, cached_tokens=lookup.hit_tokens, external=ext, tier=tier
+                    )
                 )
                 budget -= n - ext
         # Scheduled chunks now count as computed (vLLM's _update_after_schedule).
         for s in plan.scheduled:
-            self.requests[s.request_id].num_computed += s.num_tokens
+            sr = self.requests[s.request_id]
+            sr.num_computed += s.num_tokens
             self.cache.advance(s.request_id, s.num_tokens)
+            if self.offload is not None:
+                self.offload.offer(s.request_id, sr.num_computed)
         self.cache.end_schedule()
         return plan
+
+    def _load_from_tier(self, rid: str, sr: SchedRequest, gpu_hit: int, plan: StepPlan) -> bool:
+        """On admission: if the CPU tier continues the prompt, start loading it instead."""
+        if self.offload is None or sr.tier_checked or sr.external_end:
+            return False
+        sr.tier_checked = True
+        tokens = self.offload.lookup(rid, gpu_hit, sr.num_tokens)
+        if not tokens:
+            return False
+        self.waiting.popleft()
+        sr.external_end = sr.tier_end = gpu_hit + tokens
+        self.loading[rid] = tokens
+        plan.loads.append((rid, tokens))
+        return True
 
     def _preempt(self, rid: str, plan: StepPlan) -> None:
         sr = self.requests[rid]
         self.cache.preempt(rid)
         sr.num_computed = 0
+        sr.tier_checked = False  # looked up again on readmission, as vLLM does
         sr.preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(rid)
@@ -235,11 +294,16 @@ class Scheduler:
                 result.finished.append(s.request_id)
         for rid in result.finished:
             self.running.remove(rid)
-            del self.requests[rid]
+            sr = self.requests.pop(rid)
+            if self.offload is not None:
+                # the last sampled token has no KV yet (vLLM's commit point)
+                self.offload.finish(rid, max(sr.num_prompt, sr.num_tokens - 1))
             if rid in self.keep:
                 self.keep.discard(rid)
                 result.kept.append(rid)
             else:
                 self.cache.free(rid)
         result.events = self.cache.end_step()
+        if self.offload is not None:
+            result.events += self.offload.end_step()
         return result

@@ -17,6 +17,7 @@ batches are exactly what a bridge beside that engine sends to its routers.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import random
 from dataclasses import asdict, dataclass, field
@@ -27,7 +28,7 @@ from kvroute.bridge.metrics import BridgeMetrics
 from kvroute.bridge.state import EngineState
 from kvroute.bridge.stream import RankStream
 from kvroute.bridge.vllm_schema import BatchDecoder, BlockRemoved, BlockStored, encode_batch
-from kvroute.proto.events_pb2 import KvEventBatch, SubscribeRequest, SubscribeResponse
+from kvroute.proto.events_pb2 import SubscribeRequest, SubscribeResponse
 from kvroute.sim.cache import SimCache
 from kvroute.sim.cache_api import CacheRequest, CacheSpec
 from kvroute.sim.engine.core import Engine
@@ -246,15 +247,30 @@ def bridge_frames(rec: Recording) -> list[tuple[float, bytes]]:
         stream.apply(convert_batch(decoder.decode(payload), seq, dp_rank=0))
         while not subscriber.queue.empty():
             out.append((t, subscriber.queue.get_nowait()))
-        # the state is not needed past the conversion: keep it from growing without bound
-        if stream.state.blocks > 4 * 25_600:
-            stream.state.reset()
     return out
 
 
-def template_batches(frames: list[tuple[float, bytes]]) -> list[tuple[float, KvEventBatch]]:
-    """Parse bridge frames back into batches (modelled time, batch)."""
-    return [(t, SubscribeResponse.FromString(raw).batch) for t, raw in frames]
+async def bridge_snapshots(
+    frames: list[tuple[float, bytes]], at: list[float]
+) -> list[tuple[int, bytes]]:
+    """The snapshots a bridge sends a new subscriber after the frames up to each time in `at`
+    (ascending): (how many frames it reflects, `SubscribeResponse` bytes), built by the
+    bridge's own `EngineState` and `RankStream` from the frames' batches."""
+    stream = RankStream(0, "fleet-model", EngineState(0), BridgeMetrics())
+    out: list[tuple[int, bytes]] = []
+    todo = list(at)
+    for i, (t, raw) in enumerate(frames):
+        while todo and t > todo[0]:
+            todo.pop(0)
+            subscriber = stream.subscribe(SubscribeRequest())
+            while subscriber.queue.empty():  # a large state is built in steps, on the loop
+                await asyncio.sleep(0)
+            out.append((i, subscriber.queue.get_nowait()))
+            stream.unsubscribe(subscriber)
+        if not todo:
+            break
+        stream.apply(SubscribeResponse.FromString(raw).batch)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,567 @@
+"""One router replica in front of a fleet of N busy engines: event lag, ingest CPU, decisions,
+proxy overhead and memory, at N = 64, 256, 1,024, 4,096.
+
+Per point, all on loopback, each in its own process:
+- `bench.fleet_feed`: N synthetic engines behind one gRPC KvEvents server (dp_rank k = engine
+  k), replaying the busy H100 engine recorded by `bench.fleet_model` with the bridge's own
+  frames, each starting from a snapshot of a full cache;
+- `bench.instant_engine`: every worker's HTTP side (answers at once);
+- `kvroute serve` with N workers (bridge = the feed, dp_rank k), its config written here
+  (`--router-set key=value` changes any setting, e.g. one that moves the index elsewhere:
+  CPU and memory are summed over the router's whole process group).
+Then, after every stream is live: an ingest-only window (the router's CPU per second, per
+block and per batch; lag from `kvroute_event_lag_seconds`), and one window each of 8K- and
+32K-token prompts sent as token ids (decision time from `kvroute_routing_decision_seconds`;
+each routed request is paired with the same request sent straight to the engine, and the
+difference is the proxy's added latency). A point whose lag keeps growing, or whose feed had
+to resynchronise an engine the router did not drain, is stopped there with the reason.
+
+    python -m bench.fleet_scale_bench --engines 64 256 1024@0.1 [--window-s 20] [--smoke]
+
+`N@f` runs N engines at f times the modelled busy rate (to measure the cost per event where
+the full rate cannot be fed on this machine). Writes <out>/fleet_scale.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import pickle
+import platform
+import random
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from bench.fleet_feed import engine_token
+from bench.fleet_model import (
+    Conversations,
+    EngineShape,
+    bridge_frames,
+    bridge_snapshots,
+    rates,
+    record,
+)
+from kvroute.testbed.procs import Child, ProcessGroup, free_port, group_cpu_seconds, wait_http
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = "m"
+SIZES = (8192, 32768)
+STARTS = 8  # snapshot offsets engines start from
+
+
+# -- the recorded engine -------------------------------------------------------------------
+
+
+def build_template(path: Path, seconds: float, active: int, seed: int = 0) -> dict[str, Any]:
+    """Record the busy engine, turn it into bridge frames and start snapshots; save to `path`
+    (pickle, read by fleet_feed) and return the rates."""
+    rec = record(seconds, EngineShape(), Conversations(active=active), seed=seed)
+    frames = bridge_frames(rec)
+    full = rec.full_at if rec.full_at is not None else 0.0
+    end = frames[-1][0] if frames else 0.0
+    # starts spread over the first half of the full-cache part: an engine can run for the
+    # second half before its recording ends (then it restarts, from empty)
+    at = [full + 1.0 + i * (end - full) / 2 / STARTS for i in range(STARTS)]
+    snaps = asyncio.run(bridge_snapshots(frames, at))
+    r = rates(rec, frames)
+    data = {"frames": frames, "snapshots": snaps, "prompts": rec.prompts, "rates": asdict(r)}
+    path.write_bytes(pickle.dumps(data, protocol=pickle.HIGHEST_PROTOCOL))
+    return {"rates": asdict(r), "recorded_s": round(end, 1), "starts": [round(a, 1) for a in at]}
+
+
+# -- metrics -------------------------------------------------------------------------------
+
+
+def scrape(url: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """Every sample of the router's /metrics, by sample name."""
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    out: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out.setdefault(s.name, []).append((s.labels, s.value))
+    return out
+
+
+def total(m: dict[str, list[tuple[dict[str, str], float]]], name: str) -> float:
+    return sum(v for _, v in m.get(name, []))
+
+
+def buckets(m: dict[str, list[tuple[dict[str, str], float]]], name: str) -> dict[float, float]:
+    """A histogram's cumulative bucket counts (upper bound -> count)."""
+    return {float(labels["le"]): v for labels, v in m.get(name + "_bucket", [])}
+
+
+def quantile(before: dict[float, float], after: dict[float, float], q: float) -> float | None:
+    """The q-quantile of the observations between two scrapes of one histogram, linear within
+    a bucket (inf when it falls in the open last bucket; None without observations)."""
+    bounds = sorted(after)
+    counts = [after[b] - before.get(b, 0.0) for b in bounds]
+    n = counts[-1] if counts else 0.0
+    if n <= 0:
+        return None
+    rank = q * n
+    lower, below = 0.0, 0.0
+    for bound, cum in zip(bounds, counts, strict=True):
+        if cum >= rank:
+            if bound == float("inf"):
+                return float("inf")
+            inside = cum - below
+            return lower + (bound - lower) * ((rank - below) / inside if inside else 1.0)
+        lower, below = bound, cum
+    return float("inf")
+
+
+def rss_bytes(pgid: int) -> int:
+    """Resident memory of every live process of one process group."""
+    found = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[2]) != pgid:
+                    continue
+            with open(f"/proc/{entry}/status") as f:
+                for line in f:
+                    if line.startswith("VmRSS:"):
+                        found += int(line.split()[1]) * 1024
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
+# -- processes -----------------------------------------------------------------------------
+
+
+class FeedStats:
+    """The feed's once-a-second counters (read from its stdout by a thread)."""
+
+    def __init__(self, child: Child) -> None:
+        self.last: dict[str, Any] = {}
+        self.port: int | None = None
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._read, args=(child,), daemon=True)
+        self._thread.start()
+
+    def _read(self, child: Child) -> None:
+        assert child.popen.stdout is not None
+        for raw in child.popen.stdout:
+            line = raw.decode(errors="replace").strip()
+            if line.startswith("PORT "):
+                self.port = int(line.split()[1])
+                self._ready.set()
+            elif line.startswith("{"):
+                with contextlib.suppress(json.JSONDecodeError):
+                    self.last = json.loads(line)
+        self._ready.set()
+
+    def wait_port(self, timeout_s: float) -> int:
+        self._ready.wait(timeout_s)
+        if self.port is None:
+            raise RuntimeError("the feed did not start")
+        return self.port
+
+
+def _start_piped(pg: ProcessGroup, name: str, cmd: list[str]) -> Child:
+    """Like ProcessGroup.start, with stdout piped to us (stderr to the log)."""
+    log = pg.log_dir / f"{name}.log"
+    with open(log, "wb") as err:
+        popen = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            stdin=subprocess.DEVNULL,
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            start_new_session=True,
+        )
+    child = Child(name, popen, log)
+    pg.children.append(child)
+    return child
+
+
+def _set(config: dict[str, Any], dotted: str) -> None:
+    key, _, raw = dotted.partition("=")
+    if not key or not _:
+        raise ValueError(f"--router-set wants key=value, got {dotted!r}")
+    node = config
+    *path, last = key.split(".")
+    for part in path:
+        node = node.setdefault(part, {})
+    node[last] = yaml.safe_load(raw)
+
+
+def router_config(
+    engines: int, engine_url: str, feed_port: int, port: int, sets: list[str]
+) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "workers": [
+            {
+                "name": f"e{k}",
+                "url": engine_url,
+                "bridge": f"127.0.0.1:{feed_port}",
+                "dp_rank": k,
+                "model": MODEL,
+            }
+            for k in range(engines)
+        ],
+        "models": {MODEL: {"tokenizer": "request"}},
+        "host": "127.0.0.1",
+        "port": port,
+        "log_level": "warning",
+    }
+    for dotted in sets:
+        _set(config, dotted)
+    return config
+
+
+# -- the request load ----------------------------------------------------------------------
+
+
+def request_bodies(
+    prompts: list[tuple[int, ...]], engines: int, size: int, n: int, seed: int
+) -> list[bytes]:
+    """`n` completions bodies of `size` token ids: a recorded conversation as engine k caches
+    it (token 0 = k's own), cut or extended with fresh tokens to `size`."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        k = rng.randrange(engines)
+        ids = [engine_token(k), *rng.choice(prompts)[1:size]]
+        ids += [rng.randrange(5, 32_000) for _ in range(size - len(ids))]
+        out.append(json.dumps({"model": MODEL, "prompt": ids, "max_tokens": 1}).encode())
+    return out
+
+
+@dataclass
+class Paired:
+    routed_s: list[float] = field(default_factory=list)
+    direct_s: list[float] = field(default_factory=list)
+    errors: int = 0
+
+
+async def paired_load(
+    router: str, engine: str, bodies: list[bytes], seconds: float, rate: float
+) -> Paired:
+    """Each body through the router, then straight to the engine, at `rate` pairs/s."""
+    out = Paired()
+    headers = {"content-type": "application/json"}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
+
+        async def timed(url: str, body: bytes) -> float | None:
+            t0 = time.perf_counter()
+            async with http.post(url + "/v1/completions", data=body, headers=headers) as r:
+                await r.read()
+                ok = r.status == 200
+            return time.perf_counter() - t0 if ok else None
+
+        end = time.monotonic() + seconds
+        i = 0
+        while time.monotonic() < end:
+            tick = time.monotonic()
+            body = bodies[i % len(bodies)]
+            i += 1
+            routed = await timed(router, body)
+            direct = await timed(engine, body)
+            if routed is None or direct is None:
+                out.errors += 1
+            else:
+                out.routed_s.append(routed)
+                out.direct_s.append(direct)
+            await asyncio.sleep(max(0.0, 1.0 / rate - (time.monotonic() - tick)))
+    return out
+
+
+def pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+# -- one point -----------------------------------------------------------------------------
+
+
+@dataclass
+class Point:
+    engines: int
+    rate_scale: float
+    status: str = "ok"
+    reason: str = ""
+    live_after_s: float | None = None
+    ingest: dict[str, Any] = field(default_factory=dict)
+    requests: dict[str, Any] = field(default_factory=dict)
+    rss_mib: float | None = None
+    rss_mib_per_engine: float | None = None
+    index_entries: float | None = None
+    feed: dict[str, Any] = field(default_factory=dict)
+
+
+def _ms(x: float | None) -> float | None:
+    return None if x is None else round(x * 1000, 3)
+
+
+class Run:
+    """One point's processes and measurements."""
+
+    def __init__(self, args: argparse.Namespace, template: Path, engines: int, scale: float):
+        self.args = args
+        self.template = template
+        self.point = Point(engines, scale)
+        self.pg = ProcessGroup(args.out / "logs" / f"n{engines}-x{scale}")
+
+    def start(self) -> None:
+        a, p = self.args, self.point
+        engine = self.pg.start(
+            "engine", [sys.executable, "-m", "bench.instant_engine", "--port", "0"], cwd=ROOT
+        )
+        self.engine_url = _port_url(engine)
+        self.feed = _start_piped(
+            self.pg,
+            "feed",
+            [sys.executable, "-m", "bench.fleet_feed", "--template", str(self.template),
+             "--engines", str(p.engines), "--rate-scale", str(p.rate_scale),
+             "--restart-interval-s", str(a.restart_interval_s)],
+        )  # fmt: skip
+        self.stats = FeedStats(self.feed)
+        feed_port = self.stats.wait_port(120)
+        port = free_port()
+        config = router_config(p.engines, self.engine_url, feed_port, port, a.router_set)
+        path = self.pg.log_dir / "router.yaml"
+        path.write_text(yaml.safe_dump(config))
+        self.router = self.pg.start(
+            "router", [sys.executable, "-m", "kvroute", "serve", "--config", str(path)], cwd=ROOT
+        )
+        self.url = f"http://127.0.0.1:{port}"
+        wait_http(self.url + "/v1/models", 120, self.router.popen)
+
+    def wait_live(self) -> bool:
+        p = self.point
+        started = time.monotonic()
+        while time.monotonic() - started < self.args.warmup_timeout_s:
+            live = total(scrape(self.url), "kvroute_worker_events_live")
+            if live >= p.engines:
+                p.live_after_s = round(time.monotonic() - started, 1)
+                return True
+            time.sleep(2.0)
+        p.status, p.reason = "no", f"only {live:.0f} of {p.engines} streams live after warm-up"
+        return False
+
+    def ingest_window(self) -> bool:
+        """Events only; False if the router does not keep up."""
+        p, w = self.point, self.args.window_s
+        pgid = self.router.popen.pid
+        feed_pgid = self.feed.popen.pid
+        halves = []
+        m0 = scrape(self.url)
+        c0, f0, s0 = group_cpu_seconds(pgid), group_cpu_seconds(feed_pgid), dict(self.stats.last)
+        t0 = time.monotonic()
+        for _ in range(2):
+            before = scrape(self.url) if halves else m0
+            time.sleep(w / 2)
+            after = scrape(self.url)
+            b0, b1 = (buckets(x, "kvroute_event_lag_seconds") for x in (before, after))
+            halves.append((quantile(b0, b1, 0.5), quantile(b0, b1, 0.99)))
+        dt = time.monotonic() - t0
+        c1, f1, s1 = group_cpu_seconds(pgid), group_cpu_seconds(feed_pgid), dict(self.stats.last)
+        m1 = after
+        lag0, lag1 = (buckets(x, "kvroute_event_lag_seconds") for x in (m0, m1))
+        # the feed's counters are once a second: its own clock gives their interval
+        feed_dt = max(s1.get("t", 0.0) - s0.get("t", 0.0), 1e-9)
+        batches = (s1.get("batches", 0) - s0.get("batches", 0)) * dt / feed_dt
+        blocks = (s1.get("blocks", 0) - s0.get("blocks", 0)) * dt / feed_dt
+        applied = total(m1, "kvroute_event_batches_total") - total(
+            m0, "kvroute_event_batches_total"
+        )
+        cpu = c1 - c0
+        p.ingest = {
+            "window_s": round(dt, 1),
+            "batches_per_s": round(batches / dt, 1),
+            "blocks_per_s": round(blocks / dt, 1),
+            "applied_batches_per_s": round(applied / dt, 1),
+            "router_cpu_per_s": round(cpu / dt, 3),
+            "router_cpu_us_per_block": round(cpu / blocks * 1e6, 3) if blocks else None,
+            "router_cpu_us_per_batch": round(cpu / batches * 1e6, 1) if batches else None,
+            "lag_p50_ms": _ms(quantile(lag0, lag1, 0.5)),
+            "lag_p99_ms": _ms(quantile(lag0, lag1, 0.99)),
+            "lag_p50_ms_halves": [_ms(h[0]) for h in halves],
+            "feed_cpu_per_s": round((f1 - f0) / dt, 3),
+            "feed_late_mean_ms": _ms(s1.get("late_mean_s")),
+        }
+        self._memory(m1)
+        p.feed = {k: s1.get(k) for k in ("overflows", "restarts", "snapshots", "subscribed")}
+        first, second = halves[0][0], halves[1][0]
+        if s1.get("overflows", 0) > s0.get("overflows", 0):
+            p.status = "no"
+            p.reason = "the router did not drain its streams (feed queues overflowed)"
+        elif second is not None and (second == float("inf") or (
+            first is not None and second > 0.5 and second > 2 * first
+        )):  # fmt: skip
+            p.status = "no"
+            p.reason = f"event lag grows: p50 {_ms(first)} ms then {_ms(second)} ms"
+        elif applied < 0.9 * batches:
+            p.status = "no"
+            p.reason = f"applied {applied:.0f} of {batches:.0f} batches sent"
+        return p.status == "ok"
+
+    def _memory(self, m: dict[str, list[tuple[dict[str, str], float]]]) -> None:
+        p = self.point
+        rss = rss_bytes(self.router.popen.pid)
+        p.rss_mib = round(rss / 2**20, 1)
+        p.rss_mib_per_engine = round(rss / 2**20 / p.engines, 3)
+        p.index_entries = total(m, "kvroute_worker_index_entries")
+
+    def request_windows(self, prompts: list[tuple[int, ...]]) -> None:
+        p, a = self.point, self.args
+        for size in SIZES:
+            bodies = request_bodies(prompts, p.engines, size, 32, seed=size)
+            m0 = scrape(self.url)
+            c0 = group_cpu_seconds(self.router.popen.pid)
+            got = asyncio.run(
+                paired_load(self.url, self.engine_url, bodies, a.window_s, a.request_rate)
+            )
+            c1 = group_cpu_seconds(self.router.popen.pid)
+            m1 = scrape(self.url)
+            d0, d1 = (buckets(x, "kvroute_routing_decision_seconds") for x in (m0, m1))
+            added = [r - d for r, d in zip(got.routed_s, got.direct_s, strict=True)]
+            p.requests[str(size)] = {
+                "requests": len(got.routed_s),
+                "errors": got.errors,
+                "decision_p50_ms": _ms(quantile(d0, d1, 0.5)),
+                "decision_p99_ms": _ms(quantile(d0, d1, 0.99)),
+                "direct_p50_ms": _ms(pct(got.direct_s, 0.5)),
+                "routed_p50_ms": _ms(pct(got.routed_s, 0.5)),
+                "added_p50_ms": _ms(pct(added, 0.5)),
+                "added_p99_ms": _ms(pct(added, 0.99)),
+                "router_cpu_per_s": round((c1 - c0) / a.window_s, 3),
+            }
+        self._memory(scrape(self.url))
+
+    def stop(self) -> None:
+        self.pg.stop_all()
+
+
+def _port_url(child: Child) -> str:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        text = child.log.read_text(errors="replace") if child.log.exists() else ""
+        for line in text.splitlines():
+            if line.startswith("PORT "):
+                return f"http://127.0.0.1:{int(line.split()[1])}"
+        if child.popen.poll() is not None:
+            break
+        time.sleep(0.05)
+    raise RuntimeError(f"{child.name} did not start: {child.tail()}")
+
+
+def run_point(args: argparse.Namespace, template: Path, engines: int, scale: float) -> Point:
+    run = Run(args, template, engines, scale)
+    try:
+        run.start()
+        prompts = pickle.loads(template.read_bytes())["prompts"]
+        if run.wait_live():
+            time.sleep(args.settle_s)
+            if run.ingest_window():
+                run.request_windows(prompts)
+    except Exception as exc:  # a point that fails says why; the next one still runs
+        run.point.status, run.point.reason = "error", f"{type(exc).__name__}: {exc}"
+    finally:
+        run.stop()
+    return run.point
+
+
+# -- report --------------------------------------------------------------------------------
+
+
+def table(points: list[Point]) -> str:
+    rows = [
+        "| engines | rate | holds | blocks/s | router CPU/s | µs/block | lag p50/p99 ms | "
+        "8K decision p50/p99 ms | 32K decision p50/p99 ms | added p50 8K/32K ms | RSS MiB | "
+        "MiB/engine |",
+        "|" + "---|" * 12,
+    ]
+    for p in points:
+        i, r8, r32 = p.ingest, p.requests.get("8192", {}), p.requests.get("32768", {})
+        why = f" ({p.reason})" if p.reason else ""
+        rows.append(
+            f"| {p.engines} | {p.rate_scale} | {p.status}{why}"
+            f" | {i.get('blocks_per_s', '-')} | {i.get('router_cpu_per_s', '-')}"
+            f" | {i.get('router_cpu_us_per_block', '-')}"
+            f" | {i.get('lag_p50_ms', '-')} / {i.get('lag_p99_ms', '-')}"
+            f" | {r8.get('decision_p50_ms', '-')} / {r8.get('decision_p99_ms', '-')}"
+            f" | {r32.get('decision_p50_ms', '-')} / {r32.get('decision_p99_ms', '-')}"
+            f" | {r8.get('added_p50_ms', '-')} / {r32.get('added_p50_ms', '-')}"
+            f" | {p.rss_mib if p.rss_mib is not None else '-'}"
+            f" | {p.rss_mib_per_engine if p.rss_mib_per_engine is not None else '-'} |"
+        )
+    return "\n".join(rows)
+
+
+def parse_point(text: str) -> tuple[int, float]:
+    n, _, f = text.partition("@")
+    return int(n), float(f) if f else 1.0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--engines", nargs="+", default=["64", "256", "1024"], help="N or N@rate")
+    ap.add_argument("--window-s", type=float, default=20.0, help="each measurement window")
+    ap.add_argument("--settle-s", type=float, default=5.0, help="wait after all are live")
+    ap.add_argument("--warmup-timeout-s", type=float, default=240.0)
+    ap.add_argument("--request-rate", type=float, default=10.0, help="request pairs per second")
+    ap.add_argument("--restart-interval-s", type=float, default=3600.0, help="engine seconds")
+    ap.add_argument("--template-s", type=float, default=600.0, help="modelled seconds recorded")
+    ap.add_argument("--active", type=int, default=Conversations.active, help="conversations")
+    ap.add_argument("--router-set", action="append", default=[], help="config key=value")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench/results/fleet-scale-latest")
+    ap.add_argument("--smoke", action="store_true", help="tiny: 4 engines, 2 s windows")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.engines, args.window_s, args.settle_s = ["4@0.2"], 2.0, 0.5
+        args.template_s, args.request_rate = min(args.template_s, 60.0), 5.0
+    args.out.mkdir(parents=True, exist_ok=True)
+    template = args.out / "template.pkl"
+    t0 = time.monotonic()
+    model = build_template(template, args.template_s, args.active)
+    print(f"template: {time.monotonic() - t0:.1f}s {json.dumps(model['rates'])}", flush=True)
+    points = []
+    for spec in args.engines:
+        n, f = parse_point(spec)
+        point = run_point(args, template, n, f)
+        print(json.dumps(asdict(point)), flush=True)
+        points.append(point)
+    result = {
+        "benchmark": "fleet_scale",
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "machine": {
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+            "loadavg": os.getloadavg(),
+        },
+        "model": model,
+        "points": [asdict(p) for p in points],
+        "median_lag_note": "lag includes events.apply_delay_s (2 ms by default)",
+    }
+    (args.out / "fleet_scale.json").write_text(json.dumps(result, indent=2) + "\n")
+    (args.out / "fleet_scale.md").write_text(table(points) + "\n")
+    print(table(points))
+    template.unlink(missing_ok=True)
+    return 0 if all(p.status != "error" for p in points) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

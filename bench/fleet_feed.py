@@ -10,7 +10,8 @@ the bridge's decoder, converter and `RankStream`), served by the bridge's own gR
   it) and `dp_rank`;
 - where each engine starts: a new subscriber gets a snapshot of the recording at one of a few
   offsets in its full-cache part (built by the bridge's own code), then the batches after it
-  at the recording's pace times `--rate-scale`. An engine restarts (empty snapshot, new
+  at the recording's pace times `--rate-scale` (`--start empty`: an empty snapshot, then the
+  recording from its start, which fills the cache first). An engine restarts (empty snapshot, new
   stream id, the recording from its empty start) after an exponential time of mean
   `--restart-interval-s` (engine time), or when its recording runs out.
 
@@ -184,8 +185,7 @@ class EngineFeed:
         if self.subscriber is None:
             self.fleet.counters.subscribed += 1
         self.subscriber = Subscriber(QUEUE_SIZE)
-        starts = self.fleet.template.starts
-        self._start(starts[self.k % len(starts)], "initial")
+        self._start(self.fleet.start_of(self.k), "initial")
         return self.subscriber
 
     def unsubscribe(self, subscriber: Subscriber) -> None:
@@ -256,8 +256,7 @@ class EngineFeed:
             c.late_max_s = max(c.late_max_s, late)
             if not self._offer(_BATCH_TAG + _varint(len(body)) + body):
                 c.overflows += 1
-                starts = fleet.template.starts
-                self._start(starts[self.k % len(starts)], "lagging")
+                self._start(fleet.start_of(self.k), "lagging")
                 return
             c.batches += 1
             c.blocks += piece.blocks
@@ -277,18 +276,30 @@ class Fleet:
     """Every engine, and one timer that sends each engine's batches when due."""
 
     def __init__(
-        self, template: Template, engines: int, rate_scale: float, restart_interval_s: float
+        self,
+        template: Template,
+        engines: int,
+        rate_scale: float,
+        restart_interval_s: float,
+        empty_start: bool = False,
     ) -> None:
         if rate_scale <= 0:
             raise ValueError("rate_scale must be positive")
         self.template = template
         self.rate_scale = rate_scale
         self.restart_wall_s = restart_interval_s / rate_scale
+        self.empty_start = empty_start
         self.rng = random.Random(0)
         self.counters = Counters()
         self.engines = [EngineFeed(k, self) for k in range(engines)]
         self._heap: list[tuple[float, int, int]] = []  # (due, engine, epoch)
         self._wake = asyncio.Event()
+
+    def start_of(self, k: int) -> Start | None:
+        """Where engine k starts: a full cache (one of the template's snapshots) or empty."""
+        if self.empty_start:
+            return None
+        return self.template.starts[k % len(self.template.starts)]
 
     def stream(self, dp_rank: int) -> RankStream | None:
         if 0 <= dp_rank < len(self.engines):
@@ -332,7 +343,9 @@ async def _report(fleet: Fleet) -> None:
 
 async def serve(args: argparse.Namespace) -> None:
     template = Template.load(args.template)
-    fleet = Fleet(template, args.engines, args.rate_scale, args.restart_interval_s)
+    fleet = Fleet(
+        template, args.engines, args.rate_scale, args.restart_interval_s, args.start == "empty"
+    )
     handler = kv_events_handler(fleet.stream)
     server, port = await start_grpc_server(f"{args.host}:{args.port}", handler)
     print(f"PORT {port}", flush=True)
@@ -352,6 +365,12 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=3600.0,
         help="mean engine seconds between an engine's restarts",
+    )
+    p.add_argument(
+        "--start",
+        choices=("full", "empty"),
+        default="full",
+        help="engines start from a snapshot of a full cache, or empty (then fill)",
     )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)

@@ -335,7 +335,7 @@ class Run:
             "feed",
             [sys.executable, "-m", "bench.fleet_feed", "--template", str(self.template),
              "--engines", str(p.engines), "--rate-scale", str(p.rate_scale),
-             "--restart-interval-s", str(a.restart_interval_s)],
+             "--restart-interval-s", str(a.restart_interval_s), "--start", a.start],
         )  # fmt: skip
         self.stats = FeedStats(self.feed)
         feed_port = self.stats.wait_port(120)
@@ -394,8 +394,11 @@ class Run:
             "blocks_per_s": round(blocks / dt, 1),
             "applied_batches_per_s": round(applied / dt, 1),
             "router_cpu_per_s": round(cpu / dt, 3),
-            "router_cpu_us_per_block": round(cpu / blocks * 1e6, 3) if blocks else None,
-            "router_cpu_us_per_batch": round(cpu / batches * 1e6, 1) if batches else None,
+            # per batch and block the router applied (a router behind applies fewer than sent)
+            "router_cpu_us_per_batch": round(cpu / applied * 1e6, 1) if applied else None,
+            "router_cpu_us_per_block": (
+                round(cpu / (applied * blocks / batches) * 1e6, 3) if applied and blocks else None
+            ),
             "lag_p50_ms": _ms(quantile(lag0, lag1, 0.5)),
             "lag_p99_ms": _ms(quantile(lag0, lag1, 0.99)),
             "lag_p50_ms_halves": [_ms(h[0]) for h in halves],
@@ -518,14 +521,23 @@ def parse_point(text: str) -> tuple[int, float]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--engines", nargs="+", default=["64", "256", "1024"], help="N or N@rate")
+    ap.add_argument("--engines", nargs="*", default=["64", "256", "1024"], help="N or N@rate")
     ap.add_argument("--window-s", type=float, default=20.0, help="each measurement window")
     ap.add_argument("--settle-s", type=float, default=5.0, help="wait after all are live")
     ap.add_argument("--warmup-timeout-s", type=float, default=240.0)
     ap.add_argument("--request-rate", type=float, default=10.0, help="request pairs per second")
     ap.add_argument("--restart-interval-s", type=float, default=3600.0, help="engine seconds")
     ap.add_argument("--template-s", type=float, default=600.0, help="modelled seconds recorded")
+    ap.add_argument(
+        "--template",
+        type=Path,
+        default=None,
+        help="recorded engine: reused if it exists, else kept",
+    )
     ap.add_argument("--active", type=int, default=Conversations.active, help="conversations")
+    ap.add_argument(
+        "--start", choices=("full", "empty"), default="full", help="engines' caches at start"
+    )
     ap.add_argument("--router-set", action="append", default=[], help="config key=value")
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results/fleet-scale-latest")
     ap.add_argument("--smoke", action="store_true", help="tiny: 4 engines, 2 s windows")
@@ -534,9 +546,12 @@ def main(argv: list[str] | None = None) -> int:
         args.engines, args.window_s, args.settle_s = ["4@0.2"], 2.0, 0.5
         args.template_s, args.request_rate = min(args.template_s, 60.0), 5.0
     args.out.mkdir(parents=True, exist_ok=True)
-    template = args.out / "template.pkl"
+    template = args.template or args.out / "template.pkl"
     t0 = time.monotonic()
-    model = build_template(template, args.template_s, args.active)
+    if template.exists() and args.template:
+        model = {"rates": pickle.loads(template.read_bytes())["rates"], "reused": str(template)}
+    else:
+        model = build_template(template, args.template_s, args.active)
     print(f"template: {time.monotonic() - t0:.1f}s {json.dumps(model['rates'])}", flush=True)
     points = []
     for spec in args.engines:
@@ -559,7 +574,8 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "fleet_scale.json").write_text(json.dumps(result, indent=2) + "\n")
     (args.out / "fleet_scale.md").write_text(table(points) + "\n")
     print(table(points))
-    template.unlink(missing_ok=True)
+    if not args.template:
+        template.unlink(missing_ok=True)
     return 0 if all(p.status != "error" for p in points) else 1
 
 

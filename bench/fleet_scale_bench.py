@@ -361,6 +361,25 @@ class Run:
         p.status, p.reason = "no", f"only {live:.0f} of {p.engines} streams live after warm-up"
         return False
 
+    def wait_settled(self) -> bool:
+        """Wait until the backlog of the warm-up (batches queued behind the start snapshots)
+        is applied: the lag's median over `settle_s` falls below `settled_lag_s`."""
+        p, a = self.point, self.args
+        deadline = time.monotonic() + a.warmup_timeout_s
+        before = scrape(self.url)
+        median = None
+        while time.monotonic() < deadline:
+            time.sleep(a.settle_s)
+            after = scrape(self.url)
+            lag = [buckets(x, "kvroute_event_lag_seconds") for x in (before, after)]
+            median = quantile(lag[0], lag[1], 0.5)
+            if median is not None and median < a.settled_lag_s:
+                return True
+            before = after
+        p.status = "no"
+        p.reason = f"the warm-up backlog was not applied: lag p50 still {_ms(median)} ms"
+        return False
+
     def ingest_window(self) -> bool:
         """Events only; False if the router does not keep up."""
         p, w = self.point, self.args.window_s
@@ -476,10 +495,8 @@ def run_point(args: argparse.Namespace, template: Path, engines: int, scale: flo
     try:
         run.start()
         prompts = pickle.loads(template.read_bytes())["prompts"]
-        if run.wait_live():
-            time.sleep(args.settle_s)
-            if run.ingest_window():
-                run.request_windows(prompts)
+        if run.wait_live() and run.wait_settled() and run.ingest_window():
+            run.request_windows(prompts)
     except Exception as exc:  # a point that fails says why; the next one still runs
         run.point.status, run.point.reason = "error", f"{type(exc).__name__}: {exc}"
     finally:
@@ -523,7 +540,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--engines", nargs="*", default=["64", "256", "1024"], help="N or N@rate")
     ap.add_argument("--window-s", type=float, default=20.0, help="each measurement window")
-    ap.add_argument("--settle-s", type=float, default=5.0, help="wait after all are live")
+    ap.add_argument("--settle-s", type=float, default=5.0, help="lag check period, warm-up")
+    ap.add_argument(
+        "--settled-lag-s", type=float, default=0.5, help="warm-up ends below this lag p50"
+    )
     ap.add_argument("--warmup-timeout-s", type=float, default=240.0)
     ap.add_argument("--request-rate", type=float, default=10.0, help="request pairs per second")
     ap.add_argument("--restart-interval-s", type=float, default=3600.0, help="engine seconds")

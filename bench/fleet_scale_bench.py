@@ -31,7 +31,9 @@ import json
 import os
 import pickle
 import platform
+import pstats
 import random
+import signal
 import subprocess
 import sys
 import threading
@@ -309,6 +311,7 @@ class Point:
     rss_mib_per_engine: float | None = None
     index_entries: float | None = None
     feed: dict[str, Any] = field(default_factory=dict)
+    profile: list[str] = field(default_factory=list)  # with --profile: top own-time functions
 
 
 def _ms(x: float | None) -> float | None:
@@ -343,9 +346,10 @@ class Run:
         config = router_config(p.engines, self.engine_url, feed_port, port, a.router_set)
         path = self.pg.log_dir / "router.yaml"
         path.write_text(yaml.safe_dump(config))
-        self.router = self.pg.start(
-            "router", [sys.executable, "-m", "kvroute", "serve", "--config", str(path)], cwd=ROOT
-        )
+        serve = ["kvroute", "serve", "--config", str(path)]
+        if a.profile:  # cProfile on the router's main thread (bench/profiled.py)
+            serve = ["bench.profiled", "--out", str(self.pg.log_dir / "router.prof"), *serve]
+        self.router = self.pg.start("router", [sys.executable, "-m", *serve], cwd=ROOT)
         self.url = f"http://127.0.0.1:{port}"
         wait_http(self.url + "/v1/models", 120, self.router.popen)
 
@@ -440,6 +444,22 @@ class Run:
             p.reason = f"applied {applied:.0f} of {batches:.0f} batches sent"
         return p.status == "ok"
 
+    def profile_top(self, n: int = 15) -> None:
+        """Write the router's profile so far; keep its top functions by own time."""
+        out = self.pg.log_dir / "router.prof"
+        os.kill(self.router.popen.pid, signal.SIGUSR1)
+        deadline = time.monotonic() + 30
+        while not out.exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(1.0)  # let the dump finish
+        stats = pstats.Stats(str(out))
+        rows = sorted(stats.stats.items(), key=lambda kv: kv[1][2], reverse=True)  # type: ignore[attr-defined]
+        whole = sum(v[2] for _, v in rows) or 1.0
+        self.point.profile = [
+            f"{v[2] / whole:6.1%} {v[2]:8.2f}s {Path(f).name}:{line} {fn}"
+            for (f, line, fn), v in rows[:n]
+        ]
+
     def _memory(self, m: dict[str, list[tuple[dict[str, str], float]]]) -> None:
         p = self.point
         rss = rss_bytes(self.router.popen.pid)
@@ -495,8 +515,12 @@ def run_point(args: argparse.Namespace, template: Path, engines: int, scale: flo
     try:
         run.start()
         prompts = pickle.loads(template.read_bytes())["prompts"]
-        if run.wait_live() and run.wait_settled() and run.ingest_window():
-            run.request_windows(prompts)
+        if run.wait_live() and run.wait_settled():
+            held = run.ingest_window()
+            if args.profile:
+                run.profile_top()
+            if held:
+                run.request_windows(prompts)
     except Exception as exc:  # a point that fails says why; the next one still runs
         run.point.status, run.point.reason = "error", f"{type(exc).__name__}: {exc}"
     finally:
@@ -557,6 +581,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--active", type=int, default=Conversations.active, help="conversations")
     ap.add_argument(
         "--start", choices=("full", "empty"), default="full", help="engines' caches at start"
+    )
+    ap.add_argument(
+        "--profile", action="store_true", help="cProfile the router through the ingest window"
     )
     ap.add_argument("--router-set", action="append", default=[], help="config key=value")
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results/fleet-scale-latest")

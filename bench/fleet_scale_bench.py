@@ -606,7 +606,8 @@ def main(argv: list[str] | None = None) -> int:
         points.append(point)
     result = {
         "benchmark": "fleet_scale",
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        # file names only: where a run wrote its files is of no use to a reader
+        "args": {k: v.name if isinstance(v, Path) else v for k, v in vars(args).items()},
         "machine": {
             "python": platform.python_version(),
             "cpus": os.cpu_count(),

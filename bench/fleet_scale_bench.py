@@ -34,9 +34,7 @@ import platform
 import pstats
 import random
 import signal
-import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from dataclasses import asdict, dataclass, field
@@ -56,7 +54,14 @@ from bench.fleet_model import (
     rates,
     record,
 )
-from kvroute.testbed.procs import Child, ProcessGroup, free_port, group_cpu_seconds, wait_http
+from kvroute.testbed.procs import (
+    Child,
+    ProcessGroup,
+    free_port,
+    group_cpu_by_command,
+    group_cpu_seconds,
+    wait_http,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "m"
@@ -130,70 +135,26 @@ def quantile(before: dict[float, float], after: dict[float, float], q: float) ->
 def rss_bytes(pgid: int) -> int:
     """Resident memory of every live process of one process group."""
     found = 0
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                if int(f.read().rsplit(")", 1)[1].split()[2]) != pgid:
-                    continue
-            with open(f"/proc/{entry}/status") as f:
-                for line in f:
-                    if line.startswith("VmRSS:"):
-                        found += int(line.split()[1]) * 1024
-        except (OSError, ValueError, IndexError):
-            continue
+    for pid in group_cpu_by_command(pgid):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    found += int(line.split()[1]) * 1024
     return found
 
 
 # -- processes -----------------------------------------------------------------------------
 
 
-class FeedStats:
-    """The feed's once-a-second counters (read from its stdout by a thread)."""
-
-    def __init__(self, child: Child) -> None:
-        self.last: dict[str, Any] = {}
-        self.port: int | None = None
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._read, args=(child,), daemon=True)
-        self._thread.start()
-
-    def _read(self, child: Child) -> None:
-        assert child.popen.stdout is not None
-        for raw in child.popen.stdout:
-            line = raw.decode(errors="replace").strip()
-            if line.startswith("PORT "):
-                self.port = int(line.split()[1])
-                self._ready.set()
-            elif line.startswith("{"):
-                with contextlib.suppress(json.JSONDecodeError):
-                    self.last = json.loads(line)
-        self._ready.set()
-
-    def wait_port(self, timeout_s: float) -> int:
-        self._ready.wait(timeout_s)
-        if self.port is None:
-            raise RuntimeError("the feed did not start")
-        return self.port
-
-
-def _start_piped(pg: ProcessGroup, name: str, cmd: list[str]) -> Child:
-    """Like ProcessGroup.start, with stdout piped to us (stderr to the log)."""
-    log = pg.log_dir / f"{name}.log"
-    with open(log, "wb") as err:
-        popen = subprocess.Popen(
-            cmd,
-            stdout=subprocess.PIPE,
-            stderr=err,
-            stdin=subprocess.DEVNULL,
-            cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
-            start_new_session=True,
-        )
-    child = Child(name, popen, log)
-    pg.children.append(child)
-    return child
+def feed_stats(child: Child) -> dict[str, Any]:
+    """The feed's latest once-a-second counters (the last JSON line of its log)."""
+    text = child.log.read_text(errors="replace") if child.log.exists() else ""
+    for line in reversed(text.splitlines()):
+        if line.startswith("{"):
+            with contextlib.suppress(json.JSONDecodeError):
+                parsed: dict[str, Any] = json.loads(line)
+                return parsed
+    return {}
 
 
 def _set(config: dict[str, Any], dotted: str) -> None:
@@ -333,15 +294,14 @@ class Run:
             "engine", [sys.executable, "-m", "bench.instant_engine", "--port", "0"], cwd=ROOT
         )
         self.engine_url = _port_url(engine)
-        self.feed = _start_piped(
-            self.pg,
+        self.feed = self.pg.start(
             "feed",
             [sys.executable, "-m", "bench.fleet_feed", "--template", str(self.template),
              "--engines", str(p.engines), "--rate-scale", str(p.rate_scale),
              "--restart-interval-s", str(a.restart_interval_s), "--start", a.start],
+            cwd=ROOT,
         )  # fmt: skip
-        self.stats = FeedStats(self.feed)
-        feed_port = self.stats.wait_port(120)
+        feed_port = int(_port_url(self.feed, 120).rsplit(":", 1)[1])
         port = free_port()
         config = router_config(p.engines, self.engine_url, feed_port, port, a.router_set)
         path = self.pg.log_dir / "router.yaml"
@@ -391,7 +351,7 @@ class Run:
         feed_pgid = self.feed.popen.pid
         halves = []
         m0 = scrape(self.url)
-        c0, f0, s0 = group_cpu_seconds(pgid), group_cpu_seconds(feed_pgid), dict(self.stats.last)
+        c0, f0, s0 = group_cpu_seconds(pgid), group_cpu_seconds(feed_pgid), feed_stats(self.feed)
         t0 = time.monotonic()
         for _ in range(2):
             before = scrape(self.url) if halves else m0
@@ -400,7 +360,7 @@ class Run:
             b0, b1 = (buckets(x, "kvroute_event_lag_seconds") for x in (before, after))
             halves.append((quantile(b0, b1, 0.5), quantile(b0, b1, 0.99)))
         dt = time.monotonic() - t0
-        c1, f1, s1 = group_cpu_seconds(pgid), group_cpu_seconds(feed_pgid), dict(self.stats.last)
+        c1, f1, s1 = group_cpu_seconds(pgid), group_cpu_seconds(feed_pgid), feed_stats(self.feed)
         m1 = after
         lag0, lag1 = (buckets(x, "kvroute_event_lag_seconds") for x in (m0, m1))
         # the feed's counters are once a second: its own clock gives their interval
@@ -495,8 +455,9 @@ class Run:
         self.pg.stop_all()
 
 
-def _port_url(child: Child) -> str:
-    deadline = time.monotonic() + 30
+def _port_url(child: Child, timeout_s: float = 30.0) -> str:
+    """The base URL of a child that prints "PORT <n>" once listening."""
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         text = child.log.read_text(errors="replace") if child.log.exists() else ""
         for line in text.splitlines():

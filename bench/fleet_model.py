@@ -132,6 +132,11 @@ def record(
         if len(out.prompts) < keep_prompts:
             out.prompts.append(tuple(prompt))
 
+    def sample(rid: str) -> int:
+        token = rng.randrange(5, work.vocab)
+        answers[rid].append(token)
+        return token
+
     def new_conversation() -> None:
         submit(tokens(work.first_context), rng.randint(*work.turns) - 1)
 
@@ -152,11 +157,7 @@ def record(
                 out.decode_tokens += 1
             else:
                 out.prefill_tokens += s.num_tokens
-        result = sched.complete(
-            plan,
-            lambda rid: answers[rid].append(rng.randrange(5, work.vocab)) or answers[rid][-1],
-            lambda _rid, _tok: False,
-        )
+        result = sched.complete(plan, sample, lambda _rid, _tok: False)  # max_tokens ends them
         now += dt
         out.busy_steps += 1
         if result.events:

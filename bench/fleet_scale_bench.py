@@ -330,16 +330,18 @@ class Run:
         is applied: the lag's median over `settle_s` falls below `settled_lag_s`."""
         p, a = self.point, self.args
         deadline = time.monotonic() + a.warmup_timeout_s
-        before = scrape(self.url)
+        before, sent = scrape(self.url), feed_stats(self.feed).get("batches", 0)
         median = None
         while time.monotonic() < deadline:
             time.sleep(a.settle_s)
-            after = scrape(self.url)
+            after, now_sent = scrape(self.url), feed_stats(self.feed).get("batches", 0)
             lag = [buckets(x, "kvroute_event_lag_seconds") for x in (before, after)]
             median = quantile(lag[0], lag[1], 0.5)
             if median is not None and median < a.settled_lag_s:
                 return True
-            before = after
+            if median is None and now_sent == sent:
+                return True  # nothing sent, nothing applied: no backlog (an idle fleet)
+            before, sent = after, now_sent
         p.status = "no"
         p.reason = f"the warm-up backlog was not applied: lag p50 still {_ms(median)} ms"
         return False
@@ -548,6 +550,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results/fleet-scale-latest")
     ap.add_argument("--smoke", action="store_true", help="tiny: 4 engines, 2 s windows")
     args = ap.parse_args(argv)
+    # SIGTERM unwinds like an exception, so every point's processes are stopped
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.smoke:
         args.engines, args.window_s, args.settle_s = ["4@0.2"], 2.0, 0.5
         args.template_s, args.request_rate = min(args.template_s, 60.0), 5.0

@@ -388,6 +388,8 @@ class EventSubscriptions:
         elif kind == "batch":
             batch = message.batch
             self._index.apply(name, batch)
+            if batch.timestamp > 0:  # the engine's wall clock (vLLM: time.time())
+                self._metrics.event_lag_seconds.observe(max(0.0, time.time() - batch.timestamp))
             status.batches += 1
             status.last_sequence = batch.sequence
             self._metrics.event_batches.labels(name).inc()

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 _LATENCY = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _DECISION = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05)
 _TOKENS = (0, 16, 64, 256, 1024, 4096, 16384, 65536)
+_LAG = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 WORKER = "worker"  # the label naming a worker
 
 
@@ -190,6 +191,13 @@ class RouterMetrics:
             "kvroute_event_apply_seconds",
             "Time to apply one batch or snapshot to the index (on the event loop)",
             buckets=_DECISION,
+            registry=r,
+        )
+        self.event_lag_seconds = Histogram(
+            "kvroute_event_lag_seconds",
+            "From a batch's engine timestamp to its apply here (includes the apply delay and "
+            "any clock offset between the engine's host and this one)",
+            buckets=_LAG,
             registry=r,
         )
         self.bad_input_logged = Counter(

@@ -107,6 +107,8 @@ class Prompt:
     # set while token_ids are only the prompt's start (`Routing.complete` encodes the rest);
     # n_tokens is then an estimate
     partial: TokenizedLike | None = None
+    # seconds `Routing.reuse` last spent scoring it; `Routing.decide` counts them in
+    scoring_s: float = 0.0
 
 
 class Routing:
@@ -337,6 +339,13 @@ class Routing:
 
     def reuse(self, prompt: Prompt) -> Mapping[str, int | None]:
         """Predicted reuse per worker; streams that are down count as no evidence."""
+        started = time.perf_counter()
+        try:
+            return self._reuse(prompt)
+        finally:
+            prompt.scoring_s = time.perf_counter() - started
+
+    def _reuse(self, prompt: Prompt) -> Mapping[str, int | None]:
         if prompt.token_ids is None:
             return _EMPTY
         if not prompt.cacheable:
@@ -397,7 +406,9 @@ class Routing:
         started = time.perf_counter()
         workers = self.eligible(route, exclude, split)
         decision = self.policy.decide(workers, self.route_input(req, prompt, reuse), self._clock())
-        self._decision_hist.observe(time.perf_counter() - started)
+        # scoring (`reuse`, called just before) is part of the decision's time
+        self._decision_hist.observe(time.perf_counter() - started + prompt.scoring_s)
+        prompt.scoring_s = 0.0
         self._metrics.child(self._decision_count, decision.policy, decision.reason).inc()
         if decision.chosen is None:
             raise RouterError(

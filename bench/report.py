@@ -94,6 +94,60 @@ def routing_rows(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     return headers, rows
 
 
+def pd_rows(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """A prefill/decode run's table: per router that ran, the time per output token, what
+    each pool served from its own cache, and the KV the decode engines pulled."""
+    headers = [
+        "router",
+        "TTFT p50 (s)",
+        "TTFT p99 (s)",
+        "TPOT p50 (ms)",
+        "TPOT p99 (ms)",
+        "prefill pool cached %",
+        "decode pool cached %",
+        "pulls per request",
+        "blocks pulled per request",
+        "GPU s prefill / decode",
+        "errors",
+    ]
+    rows = []
+    for r in result["routers"]:
+        pd, s = r.get("pd"), r.get("summary")
+        if r["status"] != "ok" or not pd or not s:
+            continue
+        pre, dec = pd["prefill"], pd["decode"]
+        rows.append(
+            [
+                r["label"],
+                fmt(s["ttft_p50"]),
+                fmt(s["ttft_p99"]),
+                _ms_cell(s.get("tpot_p50")),
+                _ms_cell(s.get("tpot_p99")),
+                fmt(pre["cached_ratio"], pct=True),
+                fmt(dec["cached_ratio"], pct=True),
+                fmt(pd["kv_pulls_per_request"], 2),
+                fmt(pd["kv_blocks_per_request"], 1),
+                f"{pre['busy_s']:.1f} / {dec['busy_s']:.1f}",
+                str(s["errors"]),
+            ]
+        )
+    return headers, rows
+
+
+def _pd_lines(result: dict[str, Any]) -> list[str]:
+    headers, rows = pd_rows(result)
+    if not rows:
+        return []
+    return [
+        "",
+        "Prefill/decode: each pool's prompt tokens its engines found in their own prefix cache "
+        "(a decode engine pulls only the blocks it lacks), the decode engines' pulls from a "
+        "prefill engine and the 16-token KV blocks they moved, per answered request.",
+        "",
+        markdown_table(headers, rows),
+    ]
+
+
 def routing_markdown(result: dict[str, Any]) -> str:
     headers, rows = routing_rows(result)
     t = result.get("trace", {})
@@ -111,6 +165,7 @@ def routing_markdown(result: dict[str, Any]) -> str:
         "",
         markdown_table(headers, rows),
     ]
+    lines += _pd_lines(result)
     lines += _ttft_parts_lines(result)
     notes = list(result.get("notes") or [])
     loads = [x for r in result["routers"] for x in r.get("loadavg_1m") or []]

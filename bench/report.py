@@ -192,12 +192,18 @@ def _ttft_parts_lines(result: dict[str, Any]) -> list[str]:
         [r["label"], *(_ms_cell(r["summary"]["ttft_parts_p50"].get(k)) for k in TTFT_PARTS)]
         for r in runs
     ]
+    pd = (
+        ' In a prefill/decode run the engine is the decode engine: "to the engine" holds the '
+        "whole prefill phase (the prefill engine's work and the router's hops to it and back)."
+        if (result.get("fleet") or {}).get("pd")
+        else ""
+    )
     return [
         "",
         "Where the time to first token went (median of each part, ms; the engines stamp when "
         "they receive a request's headers, queue it, admit it and emit its first token). "
         '"To the engine" is the router\'s forward hop; "back to client" its relay of the '
-        "first token.",
+        "first token." + pd,
         "",
         markdown_table(heads, rows),
     ]

@@ -161,7 +161,14 @@ def test_the_pd_table_shows_each_pool_and_the_pulls() -> None:
          "3.0 / 1.5", "0"]
     ]  # fmt: skip
     assert "blocks pulled per request" in headers
-    assert "| kvroute label | 0.100 | 0.300 | 6.10 |" in routing_markdown(result)
+    md = routing_markdown(result)
+    assert "| kvroute label | 0.100 | 0.300 | 6.10 |" in md
+    assert "holds the whole prefill phase" not in md  # no TTFT parts reported
+    parts = {k: 0.001 for k in ("forward_s", "parse_s", "queue_s", "prefill_s", "return_s")}
+    result["routers"][0]["summary"]["ttft_parts_p50"] = parts
+    assert "holds the whole prefill phase" in routing_markdown(result)
+    result["fleet"]["pd"] = None
+    assert "holds the whole prefill phase" not in routing_markdown(result)
     assert pd_rows({"routers": [{**_pd_row("x", 0.1, 1, (0, 0)), "pd": None}]})[1] == []
 
 

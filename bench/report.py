@@ -107,6 +107,7 @@ def pd_rows(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
         "decode pool cached %",
         "pulls per request",
         "blocks pulled per request",
+        "failed pulls",
         "GPU s prefill / decode",
         "errors",
     ]
@@ -127,6 +128,7 @@ def pd_rows(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
                 fmt(dec["cached_ratio"], pct=True),
                 fmt(pd["kv_pulls_per_request"], 2),
                 fmt(pd["kv_blocks_per_request"], 1),
+                fmt(pd.get("kv_pull_failures")),
                 f"{pre['busy_s']:.1f} / {dec['busy_s']:.1f}",
                 str(s["errors"]),
             ]
@@ -142,7 +144,8 @@ def _pd_lines(result: dict[str, Any]) -> list[str]:
         "",
         "Prefill/decode: each pool's prompt tokens its engines found in their own prefix cache "
         "(a decode engine pulls only the blocks it lacks), the decode engines' pulls from a "
-        "prefill engine and the 16-token KV blocks they moved, per answered request.",
+        "prefill engine and the 16-token KV blocks they moved, per answered request, and the "
+        "pulls that brought nothing (the decode then computed the prompt).",
         "",
         markdown_table(headers, rows),
     ]

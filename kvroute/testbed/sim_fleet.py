@@ -125,6 +125,11 @@ def start_fleet(
     return Fleet(profile, engines, model, config, child)
 
 
+# The outcomes of a simulated decode's pull that leave it to compute the prompt itself
+# (kvroute/sim/engine/kv_transfer.py).
+PULL_FAILURES = ("invalid", "gone", "unreachable")
+
+
 @dataclass(frozen=True)
 class EngineCounters:
     """Cumulative counters of one engine."""
@@ -139,6 +144,10 @@ class EngineCounters:
     kv_pulls: float = 0.0
     kv_blocks_pulled: float = 0.0
     kv_leases: float = 0.0
+    # pulls that brought nothing (the producer no longer held the blocks, could not be reached,
+    # or the params were incomplete: the decode computed the prompt) and leases that ran out
+    kv_pull_failures: float = 0.0
+    kv_leases_expired: float = 0.0
 
 
 _COUNTERS = {
@@ -181,6 +190,10 @@ def scrape(engines: Sequence[Engine], timeout_s: float = 5.0) -> list[EngineCoun
                 kv_pulls=float(sum((kv.get("pulls") or {}).values())),
                 kv_blocks_pulled=float(kv.get("blocks_pulled", 0.0)),
                 kv_leases=float(kv.get("leases_granted", 0.0)),
+                kv_pull_failures=float(
+                    sum(n for k, n in (kv.get("pulls") or {}).items() if k in PULL_FAILURES)
+                ),
+                kv_leases_expired=float(kv.get("leases_expired", 0.0)),
             )
         except (OSError, ValueError, AttributeError):
             pass
@@ -205,6 +218,8 @@ def delta(before: Sequence[EngineCounters], after: Sequence[EngineCounters]) -> 
         "per_engine_kv_pulls": [int(p.kv_pulls) for p in per],
         "per_engine_kv_blocks_pulled": [int(p.kv_blocks_pulled) for p in per],
         "per_engine_kv_leases": [int(p.kv_leases) for p in per],
+        "per_engine_kv_pull_failures": [int(p.kv_pull_failures) for p in per],
+        "per_engine_kv_leases_expired": [int(p.kv_leases_expired) for p in per],
         "preemptions": int(sum(p.preemptions for p in per)),
     }
 
@@ -213,7 +228,8 @@ def pd_pools(engines: Sequence[Engine], row: dict[str, Any], answered: int) -> d
     """A prefill/decode run's counters by pool, from a :func:`delta` row of those engines and
     the number of requests the client got answered: each pool's prompt and cached tokens,
     requests and simulated GPU seconds, the decode pool's pulls and the KV blocks they moved
-    (in total and per answered request), and the prefills whose blocks were kept for a pull."""
+    (in total and per answered request) and the pulls that brought nothing, and the prefills
+    whose blocks were kept for a pull and the leases that ran out unpulled."""
 
     def total(key: str, role: str) -> float:
         return float(sum(v for e, v in zip(engines, row[key], strict=True) if e.role == role))
@@ -233,6 +249,8 @@ def pd_pools(engines: Sequence[Engine], row: dict[str, Any], answered: int) -> d
     pulls = int(total("per_engine_kv_pulls", "decode"))
     blocks = int(total("per_engine_kv_blocks_pulled", "decode"))
     out["kv_leases"] = int(total("per_engine_kv_leases", "prefill"))
+    out["kv_leases_expired"] = int(total("per_engine_kv_leases_expired", "prefill"))
+    out["kv_pull_failures"] = int(total("per_engine_kv_pull_failures", "decode"))
     out["kv_pulls"] = pulls
     out["kv_blocks_pulled"] = blocks
     out["kv_pulls_per_request"] = round(pulls / answered, 4) if answered else None

@@ -26,7 +26,7 @@ from kvroute.sim.server import SimEngineThread
 from kvroute.testbed import routers
 from kvroute.testbed.peers import Peers
 from kvroute.testbed.routers import ROUTERS, RouterUnavailable, command
-from kvroute.testbed.sim_fleet import Engine, EngineCounters, delta, pd_pools
+from kvroute.testbed.sim_fleet import Engine, EngineCounters, delta, pd_pools, scrape
 from kvroute.testbed.stats import RequestRecord, summarize, tpot
 
 PROMPT = "A prefill engine computes the prompt; a decode engine pulls it and writes. " * 12
@@ -98,9 +98,11 @@ def test_pd_pools_split_the_counters_by_role() -> None:
     ]
     before = [EngineCounters(), EngineCounters(), EngineCounters(kv_pulls=5, kv_blocks_pulled=50)]
     after = [
-        EngineCounters(100, 40, 4, busy_seconds=2.0, kv_leases=4),
+        EngineCounters(100, 40, 4, busy_seconds=2.0, kv_leases=4, kv_leases_expired=1),
         EngineCounters(60, 30, 2, busy_seconds=1.0, kv_pulls=2, kv_blocks_pulled=5),
-        EngineCounters(40, 0, 2, busy_seconds=0.5, kv_pulls=7, kv_blocks_pulled=51),
+        EngineCounters(
+            40, 0, 2, busy_seconds=0.5, kv_pulls=7, kv_blocks_pulled=51, kv_pull_failures=1
+        ),
     ]
     row = delta(before, after)
     assert row["per_engine_kv_blocks_pulled"] == [0, 5, 1]
@@ -111,6 +113,7 @@ def test_pd_pools_split_the_counters_by_role() -> None:
     }  # fmt: skip
     assert pools["decode"]["prompt_tokens"] == 100 and pools["decode"]["cached_ratio"] == 0.3
     assert pools["decode"]["busy_s"] == 1.5 and pools["kv_leases"] == 4
+    assert pools["kv_leases_expired"] == 1 and pools["kv_pull_failures"] == 1
     assert pools["kv_pulls"] == 4 and pools["kv_blocks_pulled"] == 6
     assert pools["kv_pulls_per_request"] == 1.0 and pools["kv_blocks_per_request"] == 1.5
     assert pd_pools(engines, row, answered=0)["kv_blocks_per_request"] is None
@@ -145,6 +148,7 @@ def _pd_row(name: str, tpot_p50: float, blocks: float, cached: tuple[float, floa
             "prefill": {"cached_ratio": cached[0], "busy_s": 3.0},
             "decode": {"cached_ratio": cached[1], "busy_s": 1.5},
             "kv_pulls_per_request": 1.0, "kv_blocks_per_request": blocks,
+            "kv_pull_failures": 2,
         },
     }  # fmt: skip
 
@@ -158,7 +162,7 @@ def test_the_pd_table_shows_each_pool_and_the_pulls() -> None:
     headers, rows = pd_rows(result)
     assert rows == [
         ["kvroute label", "0.100", "0.300", "6.10", "20.00", "60.0%", "25.0%", "1.00", "12.5",
-         "3.0 / 1.5", "0"]
+         "2", "3.0 / 1.5", "0"]
     ]  # fmt: skip
     assert "blocks pulled per request" in headers
     md = routing_markdown(result)
@@ -301,6 +305,23 @@ def test_pd_proxy_takes_both_pools_in_turn_and_decode_pulls(
     assert all(s["blocks_pulled"] >= 2 * (len(PROMPT) // 4 // 16) for s in states)
     produced = _kv_state(producer)
     assert produced["leases_granted"] == 4 and produced["leases_pulled"] == 4
+    # what the bench reads of these engines
+    engines = [Engine("prefill-0", producer.url, "prefill")]
+    engines += [Engine(f"decode-{i}", d.url, "decode") for i, d in enumerate(decodes)]
+    counters = scrape(engines)
+    assert [c.kv_pulls for c in counters] == [0, 2, 2] and counters[0].kv_leases == 4
+    assert [c.kv_blocks_pulled for c in counters[1:]] == [s["blocks_pulled"] for s in states]
+    assert all(c.kv_pull_failures == 0 for c in counters)
+
+
+def test_a_pull_that_brought_nothing_is_counted() -> None:
+    with _engine("kv_consumer") as consumer:
+        body = {"model": "kvroute-sim", "prompt": PROMPT, "max_tokens": 2,
+                "kv_transfer_params": {"do_remote_prefill": True}}  # fmt: skip
+        assert httpx.post(consumer.url + "/v1/completions", json=body, timeout=30).is_success
+        (counters,) = scrape([Engine("decode-0", consumer.url, "decode")])
+    assert counters.kv_pulls == 1 and counters.kv_pull_failures == 1
+    assert counters.kv_blocks_pulled == 0
 
 
 def test_pd_proxy_chat_and_non_streamed(

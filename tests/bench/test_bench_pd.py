@@ -5,6 +5,7 @@ per-pool counters, the time per output token and the tables."""
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import socket
 from collections.abc import Iterator
@@ -16,6 +17,8 @@ import httpx
 import pytest
 from aiohttp import web
 
+from bench.pd_diagnosis import main as pd_main
+from bench.pd_diagnosis import report, run_dirs
 from bench.proxy import PREFILL_PARAMS, make_app, prefill_body
 from bench.report import pd_rows, routing_markdown
 from bench.routing_bench import PD_ROUTERS, build_config, parse_args, parse_pd
@@ -350,3 +353,52 @@ def test_pd_proxy_passes_a_prefill_error_through(
 def test_pd_proxy_takes_only_round_robin() -> None:
     with pytest.raises(ValueError, match="round robin"):
         make_app(["http://d"], "prefix", prefill=["http://p"])
+
+
+# ---- the diagnosis of a P/D run -----------------------------------------------------------
+def _write(path: Path, rows: list[dict[str, Any]], packed: bool = False) -> None:
+    text = "".join(json.dumps(r) + "\n" for r in rows)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if packed:
+        path.with_name(path.name + ".gz").write_bytes(gzip.compress(text.encode()))
+    else:
+        path.write_text(text)
+
+
+def _decision(prefill: str, decode: str, reuse: dict[str, int], reason: str = "cache") -> Any:
+    return {
+        "reason": reason,
+        "pd": {
+            "prefill": [{"worker": prefill, "outcome": "200", "seconds": 0.1}],
+            "decode": [{"worker": decode, "outcome": "200", "seconds": 0.02}],
+            "decode_candidates": [{"worker": w, "predicted_reuse": n} for w, n in reuse.items()],
+        },
+    }
+
+
+def test_pd_diagnosis_reads_every_seeds_runs(tmp_path: Path) -> None:
+    def rec(worker: str, forward: float) -> dict[str, Any]:
+        return {"ttft": forward + 0.05, "worker": worker, "forward_s": forward, "parse_s": 0.01,
+                "queue_s": 0.01, "prefill_s": 0.02, "return_s": 0.01}  # fmt: skip
+
+    for seed, packed in ((0, False), (1, True)):  # kept results are gzipped
+        run = tmp_path / "seeds" / f"seed{seed}" / "runs" / "routing_dense_pd"
+        _write(run / "kvroute.records.jsonl", [rec("decode-0", 0.1), rec("decode-1", 0.3)], packed)
+        _write(run / "smg-pd.records.jsonl", [rec("decode-0", 1.0)], packed)
+        _write(run / "kvroute.decisions.jsonl", [
+            _decision("prefill-0", "decode-0", {"decode-0": 32, "decode-1": 0}),
+            _decision("prefill-1", "decode-1", {"decode-0": 32, "decode-1": 0}, "session"),
+            _decision("prefill-1", "decode-0", {"decode-0": 0, "decode-1": 0}),
+        ])  # fmt: skip
+    dirs = run_dirs(tmp_path)
+    assert [d.parent.parent.name for d in dirs] == ["seed0", "seed1"]
+    md = report(dirs)
+    assert "| kvroute | 4 | 250 | 200 (300) |" in md  # forwards 0.1, 0.3, 0.1, 0.3
+    assert "| smg-pd | 2 | 1050 | 1000 (1000) |" in md
+    assert "| kvroute | decode-0 2, decode-1 2 |" in md
+    assert "prefill choices by reason: cache 4, session 2" in md
+    assert "prefill workers: prefill-0 2, prefill-1 4; decode workers: decode-0 4, decode-1 2" in md
+    # the third decision's candidates were equal: not counted
+    assert "predicted reuse differed: 4; the chosen one had the most in 2" in md
+    with pytest.raises(SystemExit, match="no seeds"):
+        pd_main(["--results", str(tmp_path / "nothing")])

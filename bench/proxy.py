@@ -104,6 +104,10 @@ class PrefixTable:
 
 
 BLOCK = 16
+# An idle pooled connection is dropped before the engine's server closes it (uvicorn's and
+# vLLM's keep-alive: 5 s), so a request never goes out on a connection closing under it (the
+# engine resets it: a 502 here).
+POOL_IDLE_S = 3.0
 
 
 def block_keys(ids: Sequence[int], namespace: str) -> list[int]:
@@ -346,7 +350,7 @@ def make_app(
 
     async def on_startup(app: web.Application) -> None:
         http = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0),
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=POOL_IDLE_S),
             timeout=aiohttp.ClientTimeout(total=600),
         )
         app["state"] = ProxyState(

@@ -402,3 +402,18 @@ def test_pd_diagnosis_reads_every_seeds_runs(tmp_path: Path) -> None:
     assert "predicted reuse differed: 4; the chosen one had the most in 2" in md
     with pytest.raises(SystemExit, match="no seeds"):
         pd_main(["--results", str(tmp_path / "nothing")])
+
+
+def test_the_proxy_drops_idle_connections_before_the_engines_do() -> None:
+    async def connector_idle_s() -> float:
+        app = make_app(["http://127.0.0.1:1"], "round_robin")
+        runner = web.AppRunner(app)
+        await runner.setup()  # runs on_startup: the client session exists from here
+        try:
+            return float(app["state"].http.connector._keepalive_timeout)
+        finally:
+            await runner.cleanup()
+
+    import uvicorn
+
+    assert asyncio.run(connector_idle_s()) < uvicorn.Config(app=None).timeout_keep_alive

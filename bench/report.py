@@ -151,6 +151,14 @@ def _pd_lines(result: dict[str, Any]) -> list[str]:
     ]
 
 
+def engines_label(fleet: dict[str, Any]) -> str:
+    """ "4 simulated engines", or "2 prefill + 2 decode simulated engines" for a P/D fleet."""
+    pd = fleet.get("pd")
+    if pd:
+        return f"{pd[0]} prefill + {pd[1]} decode simulated engines"
+    return f"{fleet.get('workers', '?')} simulated engines"
+
+
 def routing_markdown(result: dict[str, Any]) -> str:
     headers, rows = routing_rows(result)
     t = result.get("trace", {})
@@ -160,7 +168,7 @@ def routing_markdown(result: dict[str, Any]) -> str:
         + (" on vLLM's KVCacheManager" if f.get("cache_backend") == "vllm" else "")
         + (" (smoke)" if result.get("smoke") else ""),
         "",
-        f"Fleet: {f.get('workers', '?')} simulated engines ({f.get('profile', '?')}, cache "
+        f"Fleet: {engines_label(f)} ({f.get('profile', '?')}, cache "
         f"backend {f.get('cache_backend', 'sim')}), "
         f"trace: {t.get('name', '?')} ({t.get('requests', '?')} requests, "
         f"{t.get('prompt_tokens', 0):,} prompt tokens), replay: {result.get('replay', '?')}. "

@@ -42,7 +42,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from bench.report import fmt, markdown_table, routing_markdown, routing_plot
+from bench.report import engines_label, fmt, markdown_table, routing_markdown, routing_plot
 from bench.routing_bench import build_config, parse_args, run_profile
 from kvroute.testbed.stats import TTFT_PART_LABELS, TTFT_PARTS, paired_bootstrap, percentile
 
@@ -312,7 +312,7 @@ def markdown(profile: str, agg: dict[str, Any], first: dict[str, Any], command: 
     lines = [
         f"# Routing benchmark over {len(seeds)} seeds: profile `{profile}`",
         "",
-        f"Fleet: {first['fleet']['workers']} simulated engines ({profile}, cache backend "
+        f"Fleet: {engines_label(first['fleet'])} ({profile}, cache backend "
         f"{first['fleet']['cache_backend']}); traces: {trace}, seeds "
         f"{', '.join(map(str, seeds))} (about {first['trace']['requests']} requests each); "
         f"replay: {first['replay']}. Each seed runs every router on a fresh fleet, one after "

@@ -170,6 +170,7 @@ def test_the_pd_table_shows_each_pool_and_the_pulls() -> None:
     assert "blocks pulled per request" in headers
     md = routing_markdown(result)
     assert "| kvroute label | 0.100 | 0.300 | 6.10 |" in md
+    assert "Fleet: 2 prefill + 2 decode simulated engines (" in md
     assert "holds the whole prefill phase" not in md  # no TTFT parts reported
     parts = {k: 0.001 for k in ("forward_s", "parse_s", "queue_s", "prefill_s", "return_s")}
     result["routers"][0]["summary"]["ttft_parts_p50"] = parts
@@ -212,7 +213,10 @@ def test_seeds_aggregate_tpot_and_pools_with_intervals(tmp_path: Path) -> None:
     first = {"fleet": {"workers": 4, "cache_backend": "sim"}, "replay": "open loop",
              "trace": {"name": "preset default, seed 0", "requests": 4}}  # fmt: skip
     md = markdown("dense", agg, first, "cmd")
+    assert "Fleet: 4 simulated engines" in md
     assert "| kvroute label | 6.50 (6.00-7.00) |" in md
+    first["fleet"]["pd"] = [1, 3]
+    assert "Fleet: 1 prefill + 3 decode simulated engines" in markdown("dense", agg, first, "")
     assert "| smg-pd | -10.00 ms [-10.00, -10.00]: lower |" in md
     # a run of mixed engines has no P/D table
     plain = {

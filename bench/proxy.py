@@ -19,7 +19,15 @@ Policies:
   in flight. A yardstick for cache reuse, not a policy a deployment could run (one probe per
   engine per request).
 
+With ``--prefill URL,URL --decode URL,URL`` instead of ``--engines`` it is a prefill/decode
+proxy (policy ``round_robin`` only: the round-robin P/D baseline). Each generation request
+goes to the next prefill engine in turn as a one-token, non-streamed prefill that asks vLLM's
+NIXL connector to keep its blocks (``kv_transfer_params.do_remote_decode``); the original
+request then goes to the next decode engine in turn with the ``kv_transfer_params`` that
+prefill answered, so the decode pulls the prompt's KV instead of computing it.
+
 ``python -m bench.proxy --policy NAME --engines URL,URL --port P``
+``python -m bench.proxy --policy round_robin --prefill URL,URL --decode URL,URL --port P``
 """
 
 from __future__ import annotations
@@ -31,7 +39,7 @@ import json
 import logging
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -96,6 +104,10 @@ class PrefixTable:
 
 
 BLOCK = 16
+# An idle pooled connection is dropped before the engine's server closes it (uvicorn's and
+# vLLM's keep-alive: 5 s), so a request never goes out on a connection closing under it (the
+# engine resets it: a 502 here).
+POOL_IDLE_S = 3.0
 
 
 def block_keys(ids: Sequence[int], namespace: str) -> list[int]:
@@ -118,6 +130,42 @@ def common_blocks(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+# What a prefill request carries for vLLM's NixlConnector: keep the blocks for a decode peer.
+PREFILL_PARAMS: dict[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+GENERATE_PATHS = ("/v1/chat/completions", "/v1/completions")
+
+
+def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The prefill half of a generation request: one token, not streamed, blocks kept."""
+    out = {k: v for k, v in body.items() if k not in ("stream_options", "max_completion_tokens")}
+    out.update(max_tokens=1, stream=False, kv_transfer_params=dict(PREFILL_PARAMS))
+    return out
+
+
+@dataclass
+class PdPools:
+    """A prefill/decode proxy's two pools, each taken in turn."""
+
+    prefill: list[str]
+    decode: list[str]
+    next_prefill: itertools.count[int] = field(default_factory=itertools.count)
+    next_decode: itertools.count[int] = field(default_factory=itertools.count)
+
+    def pick(self) -> tuple[int, int]:
+        """(prefill index, decode index) for the next request."""
+        return (
+            next(self.next_prefill) % len(self.prefill),
+            next(self.next_decode) % len(self.decode),
+        )
+
+
 @dataclass
 class ProxyState:
     engines: list[str]
@@ -130,6 +178,7 @@ class ProxyState:
     pending: list[dict[int, list[int]]]  # per engine: request serial -> block keys in flight
     serial: itertools.count[int]
     probe_failures: int = 0
+    pd: PdPools | None = None  # set: a prefill/decode proxy (engines = the decode pool)
 
     def least_loaded(self, among: Sequence[int] | None = None) -> int:
         cands = list(range(len(self.engines))) if among is None else list(among)
@@ -201,13 +250,59 @@ class ProxyState:
 _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "content-encoding"}
 
 
+def _error(message: str, status: int) -> web.Response:
+    return web.json_response({"error": {"message": message, "code": status}}, status=status)
+
+
+async def _relay(
+    request: web.Request, up: aiohttp.ClientResponse, worker: str
+) -> web.StreamResponse:
+    """Stream an upstream answer back to the client as it comes."""
+    resp = web.StreamResponse(status=up.status)
+    for k, v in up.headers.items():
+        if k.lower() not in _HOP_HEADERS:
+            resp.headers[k] = v
+    resp.headers["x-bench-worker"] = worker
+    await resp.prepare(request)
+    async for chunk in up.content.iter_any():
+        await resp.write(chunk)
+    await resp.write_eof()
+    return resp
+
+
+async def _pd_proxy(
+    request: web.Request, st: ProxyState, body: dict[str, Any]
+) -> web.StreamResponse:
+    """A generation request through the prefill/decode pools: the prefill's answer is read
+    whole (its kv_transfer_params name the blocks kept), then the decode's is streamed."""
+    assert st.pd is not None
+    p, d = st.pd.pick()
+    path = request.rel_url.path_qs
+    st.inflight[d] += 1
+    try:
+        async with st.http.post(st.pd.prefill[p] + path, json=prefill_body(body)) as up:
+            if up.status != 200:
+                return await _relay(request, up, f"prefill-{p}")
+            answer = await up.json()
+        params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
+        decode = {**body, "kv_transfer_params": params} if params else body
+        async with st.http.post(st.pd.decode[d] + path, json=decode) as up:
+            return await _relay(request, up, f"prefill-{p}/decode-{d}")
+    except (aiohttp.ClientError, ValueError) as exc:
+        return _error(str(exc), 502)
+    finally:
+        st.inflight[d] -= 1
+
+
 async def _proxy(request: web.Request) -> web.StreamResponse:
     st: ProxyState = request.app["state"]
     raw = await request.read()
     try:
         body = json.loads(raw) if raw else {}
     except json.JSONDecodeError:
-        return web.json_response({"error": {"message": "invalid JSON", "code": 400}}, status=400)
+        return _error("invalid JSON", 400)
+    if st.pd is not None and request.method == "POST" and request.path in GENERATE_PATHS:
+        return await _pd_proxy(request, st, body)
     serial = next(st.serial)
     if request.method != "POST":
         i = next(st.rr) % len(st.engines)
@@ -224,18 +319,9 @@ async def _proxy(request: web.Request) -> web.StreamResponse:
             data=raw if raw else None,
             headers={"content-type": request.headers.get("content-type", "application/json")},
         ) as up:
-            resp = web.StreamResponse(status=up.status)
-            for k, v in up.headers.items():
-                if k.lower() not in _HOP_HEADERS:
-                    resp.headers[k] = v
-            resp.headers["x-bench-worker"] = str(i)
-            await resp.prepare(request)
-            async for chunk in up.content.iter_any():
-                await resp.write(chunk)
-            await resp.write_eof()
-            return resp
+            return await _relay(request, up, str(i))
     except aiohttp.ClientError as exc:
-        return web.json_response({"error": {"message": str(exc), "code": 502}}, status=502)
+        return _error(str(exc), 502)
     finally:
         st.inflight[i] -= 1
         st.pending[i].pop(serial, None)
@@ -245,21 +331,30 @@ async def _health(request: web.Request) -> web.Response:
     return web.Response(text="ok")
 
 
-def make_app(engines: Sequence[str], policy: str, threshold: float = 0.3) -> web.Application:
-    """The proxy as an aiohttp app (the HTTP client is created on start-up)."""
+def make_app(
+    engines: Sequence[str],
+    policy: str,
+    threshold: float = 0.3,
+    prefill: Sequence[str] = (),
+) -> web.Application:
+    """The proxy as an aiohttp app (the HTTP client is created on start-up). With ``prefill``
+    engines it is a prefill/decode proxy and ``engines`` are the decode engines."""
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; choose from {POLICIES}")
     if not engines:
         raise ValueError("no engines")
+    if prefill and policy != "round_robin":
+        raise ValueError(f"a prefill/decode proxy takes both pools round robin, not {policy!r}")
+    strip = [e.rstrip("/") for e in engines]
     app = web.Application(client_max_size=64 * 1024 * 1024)
 
     async def on_startup(app: web.Application) -> None:
         http = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0),
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=POOL_IDLE_S),
             timeout=aiohttp.ClientTimeout(total=600),
         )
         app["state"] = ProxyState(
-            engines=[e.rstrip("/") for e in engines],
+            engines=strip,
             policy=policy,
             threshold=threshold,
             http=http,
@@ -268,6 +363,7 @@ def make_app(engines: Sequence[str], policy: str, threshold: float = 0.3) -> web
             table=PrefixTable(),
             pending=[{} for _ in engines],
             serial=itertools.count(),
+            pd=PdPools([e.rstrip("/") for e in prefill], strip) if prefill else None,
         )
 
     async def on_cleanup(app: web.Application) -> None:
@@ -283,13 +379,22 @@ def make_app(engines: Sequence[str], policy: str, threshold: float = 0.3) -> web
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.proxy", description=__doc__)
     p.add_argument("--policy", choices=POLICIES, required=True)
-    p.add_argument("--engines", required=True, help="comma-separated engine base URLs")
+    p.add_argument("--engines", help="comma-separated engine base URLs")
+    p.add_argument("--prefill", help="prefill/decode: comma-separated prefill engine URLs")
+    p.add_argument("--decode", help="prefill/decode: comma-separated decode engine URLs")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--threshold", type=float, default=0.3, help="prefix: min match ratio")
     args = p.parse_args(argv)
+    if bool(args.prefill) != bool(args.decode) or bool(args.engines) == bool(args.decode):
+        p.error("give either --engines or both --prefill and --decode")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    app = make_app(args.engines.split(","), args.policy, args.threshold)
+    prefill = args.prefill.split(",") if args.prefill else []
+    engines = (args.decode or args.engines).split(",")
+    try:
+        app = make_app(engines, args.policy, args.threshold, prefill)
+    except ValueError as exc:
+        p.error(str(exc))
     web.run_app(app, host=args.host, port=args.port, print=None, access_log=None)
     return 0
 

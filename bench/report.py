@@ -94,6 +94,71 @@ def routing_rows(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     return headers, rows
 
 
+def pd_rows(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """A prefill/decode run's table: per router that ran, the time per output token, what
+    each pool served from its own cache, and the KV the decode engines pulled."""
+    headers = [
+        "router",
+        "TTFT p50 (s)",
+        "TTFT p99 (s)",
+        "TPOT p50 (ms)",
+        "TPOT p99 (ms)",
+        "prefill pool cached %",
+        "decode pool cached %",
+        "pulls per request",
+        "blocks pulled per request",
+        "failed pulls",
+        "GPU s prefill / decode",
+        "errors",
+    ]
+    rows = []
+    for r in result["routers"]:
+        pd, s = r.get("pd"), r.get("summary")
+        if r["status"] != "ok" or not pd or not s:
+            continue
+        pre, dec = pd["prefill"], pd["decode"]
+        rows.append(
+            [
+                r["label"],
+                fmt(s["ttft_p50"]),
+                fmt(s["ttft_p99"]),
+                _ms_cell(s.get("tpot_p50")),
+                _ms_cell(s.get("tpot_p99")),
+                fmt(pre["cached_ratio"], pct=True),
+                fmt(dec["cached_ratio"], pct=True),
+                fmt(pd["kv_pulls_per_request"], 2),
+                fmt(pd["kv_blocks_per_request"], 1),
+                fmt(pd.get("kv_pull_failures")),
+                f"{pre['busy_s']:.1f} / {dec['busy_s']:.1f}",
+                str(s["errors"]),
+            ]
+        )
+    return headers, rows
+
+
+def _pd_lines(result: dict[str, Any]) -> list[str]:
+    headers, rows = pd_rows(result)
+    if not rows:
+        return []
+    return [
+        "",
+        "Prefill/decode: each pool's prompt tokens its engines found in their own prefix cache "
+        "(a decode engine pulls only the blocks it lacks), the decode engines' pulls from a "
+        "prefill engine and the 16-token KV blocks they moved, per answered request, and the "
+        "pulls that brought nothing (the decode then computed the prompt).",
+        "",
+        markdown_table(headers, rows),
+    ]
+
+
+def engines_label(fleet: dict[str, Any]) -> str:
+    """ "4 simulated engines", or "2 prefill + 2 decode simulated engines" for a P/D fleet."""
+    pd = fleet.get("pd")
+    if pd:
+        return f"{pd[0]} prefill + {pd[1]} decode simulated engines"
+    return f"{fleet.get('workers', '?')} simulated engines"
+
+
 def routing_markdown(result: dict[str, Any]) -> str:
     headers, rows = routing_rows(result)
     t = result.get("trace", {})
@@ -103,7 +168,7 @@ def routing_markdown(result: dict[str, Any]) -> str:
         + (" on vLLM's KVCacheManager" if f.get("cache_backend") == "vllm" else "")
         + (" (smoke)" if result.get("smoke") else ""),
         "",
-        f"Fleet: {f.get('workers', '?')} simulated engines ({f.get('profile', '?')}, cache "
+        f"Fleet: {engines_label(f)} ({f.get('profile', '?')}, cache "
         f"backend {f.get('cache_backend', 'sim')}), "
         f"trace: {t.get('name', '?')} ({t.get('requests', '?')} requests, "
         f"{t.get('prompt_tokens', 0):,} prompt tokens), replay: {result.get('replay', '?')}. "
@@ -111,6 +176,7 @@ def routing_markdown(result: dict[str, Any]) -> str:
         "",
         markdown_table(headers, rows),
     ]
+    lines += _pd_lines(result)
     lines += _ttft_parts_lines(result)
     notes = list(result.get("notes") or [])
     loads = [x for r in result["routers"] for x in r.get("loadavg_1m") or []]
@@ -137,12 +203,18 @@ def _ttft_parts_lines(result: dict[str, Any]) -> list[str]:
         [r["label"], *(_ms_cell(r["summary"]["ttft_parts_p50"].get(k)) for k in TTFT_PARTS)]
         for r in runs
     ]
+    pd = (
+        ' In a prefill/decode run the engine is the decode engine: "to the engine" holds the '
+        "whole prefill phase (the prefill engine's work and the router's hops to it and back)."
+        if (result.get("fleet") or {}).get("pd")
+        else ""
+    )
     return [
         "",
         "Where the time to first token went (median of each part, ms; the engines stamp when "
         "they receive a request's headers, queue it, admit it and emit its first token). "
         '"To the engine" is the router\'s forward hop; "back to client" its relay of the '
-        "first token.",
+        "first token." + pd,
         "",
         markdown_table(heads, rows),
     ]

@@ -19,6 +19,13 @@ turns that a small GPU pool has dropped their history by the time they return; w
 (``TIERED_FLEET_ARGS``), a returning turn can come back from an engine's CPU tier. Each row
 then has ``cached_by_source``: the prompt tokens the engines took from their GPU (``device``)
 and CPU (``host``) tiers (vLLM's ``vllm:prompt_tokens_cached_by_source``).
+
+``--pd P,D`` is the prefill/decode profile: the fleet is ``kvroute sim fleet --prefill P
+--decode D`` (engines with vLLM's NIXL connector roles, no mixed ones) and the routers are
+those that split a request into a prefill and a decode (``PD_ROUTERS``: kvroute, whose
+config gives it the workers' roles, the peers' P/D modes and a round-robin P/D proxy). Each
+row then has the time per output token and, by pool, the cached tokens, and the KV blocks
+the decode engines pulled (results ``routing_<profile>_pd``).
 """
 
 from __future__ import annotations
@@ -66,6 +73,7 @@ from kvroute.testbed.sim_fleet import (
     Fleet,
     FleetError,
     delta,
+    pd_pools,
     scrape,
     start_fleet,
     vllm_python,
@@ -115,6 +123,8 @@ FULL_ROUTERS = (
     "vllm-router",
     "oracle",
 )
+# --pd: the routers that run a request's prefill and decode on different engines
+PD_ROUTERS = ("kvroute", "vllm-router-pd", "smg-pd", "pd-round-robin")
 SMOKE_ROUTERS = ("kvroute", "kvroute-round-robin")
 # Until the router lands, the smoke run compares the bench's own proxies.
 SMOKE_FALLBACK = ("bench-prefix", "bench-round-robin")
@@ -146,6 +156,8 @@ class BenchConfig:
     # with bridges "router": their scheduling class beside the router, "idle" (SCHED_IDLE: they
     # run only when the router does not) or "nice" (the bridge's default niceness, 10)
     bridge_sched: str = "idle"
+    # --pd: (prefill engines, decode engines) instead of `workers` mixed ones
+    pd: tuple[int, int] | None = None
 
 
 def _start_fleet_retrying(
@@ -161,7 +173,8 @@ def _start_fleet_retrying(
         try:
             return start_fleet(
                 pg,
-                workers=cfg.workers,
+                workers=0 if cfg.pd else cfg.workers,
+                pd=cfg.pd,
                 profile=profile,
                 run_dir=run_dir,
                 extra_args=fleet_args,
@@ -274,6 +287,8 @@ def run_router(cfg: BenchConfig, profile: str, name: str, run_dir: Path) -> dict
             decisions = None
     summary = summarize(records, cfg.slo_ttft_s)
     row.update(delta(before, after))
+    if cfg.pd:
+        row["pd"] = pd_pools(fleet.engines, row, summary.ok)
     row["summary"] = summary.to_json()
     row["wall_s"] = round(time.monotonic() - t0, 1)
     with open(run_dir / f"{name}.records.jsonl", "w", encoding="utf-8") as out:
@@ -287,7 +302,8 @@ def run_router(cfg: BenchConfig, profile: str, name: str, run_dir: Path) -> dict
     print(
         f"[{profile}] {name}: cached {row['engine_cached_tokens']:,}/"
         f"{row['engine_prompt_tokens']:,} engine tokens (usage: {s.cached_ratio:.1%}), "
-        f"TTFT p50 {s.ttft_p50} p99 {s.ttft_p99}, {s.errors} errors",
+        f"TTFT p50 {s.ttft_p50} p99 {s.ttft_p99}, {s.errors} errors"
+        + (f", {row['pd']['kv_blocks_per_request']} blocks pulled per request" if cfg.pd else ""),
         file=sys.stderr,
     )
     return row
@@ -316,7 +332,8 @@ def run_profile(cfg: BenchConfig, profile: str, command: str) -> dict[str, Any]:
             "platform": platform.platform(),
         },
         "fleet": {
-            "workers": cfg.workers,
+            "workers": sum(cfg.pd) if cfg.pd else cfg.workers,
+            "pd": list(cfg.pd) if cfg.pd else None,
             "profile": profile,
             "cache_backend": cfg.cache_backend,
             "args": list(cfg.fleet_args),
@@ -358,8 +375,11 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
         trace_name = f"preset {preset}, seed {spec.seed}"
     if not space.exact:
         notes.append("token lengths approximate: the sim tokenizer was not found")
+    pd = parse_pd(args.pd)
     if args.routers:
         routers = tuple(r.strip() for r in args.routers.split(",") if r.strip())
+    elif pd:
+        routers = PD_ROUTERS
     elif args.smoke:
         routers = SMOKE_ROUTERS
         if kvroute_available() is not None:
@@ -370,6 +390,7 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
     unknown = [r for r in routers if r not in ROUTERS]
     if unknown:
         raise SystemExit(f"unknown routers {unknown}; known: {sorted(ROUTERS)}")
+    check_pd_routers(routers, pd)
     profiles = PROFILES if args.profile == "all" else (args.profile,)
     load = load_config(args)
     fleet_args = (
@@ -377,7 +398,12 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
         if args.fleet_args is not None
         else (SMOKE_FLEET_ARGS if args.smoke else FULL_FLEET_ARGS)
     )
-    suffix = "_smoke" if args.smoke else ""
+    suffix = ("_pd" if pd else "") + ("_smoke" if args.smoke else "")
+    if pd:
+        notes.append(
+            f"prefill/decode fleet: {pd[0]} prefill engines (kv_producer) and {pd[1]} decode "
+            "engines (kv_consumer) pulling blocks over a modelled 400 Gb/s link"
+        )
     fleet_python = None
     if args.cache_backend == "vllm":
         fleet_python = vllm_python()
@@ -433,7 +459,34 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
         fleet_cpus=fleet_cpus,
         bridges=bridges,
         bridge_sched=args.bridge_sched,
+        pd=pd,
     )
+
+
+def parse_pd(value: str | None) -> tuple[int, int] | None:
+    """``--pd P,D`` as (prefill engines, decode engines), each at least 1; None if not given."""
+    if value is None:
+        return None
+    try:
+        prefill, decode = (int(x) for x in value.split(","))
+    except ValueError:
+        raise SystemExit(f"--pd takes PREFILL,DECODE engine counts, got {value!r}") from None
+    if prefill < 1 or decode < 1:
+        raise SystemExit(f"--pd needs at least one prefill and one decode engine, got {value!r}")
+    return prefill, decode
+
+
+def check_pd_routers(routers: Sequence[str], pd: tuple[int, int] | None) -> None:
+    """A P/D fleet takes only routers that split requests into prefill and decode (kvroute
+    does, from the roles in the fleet's config); a mixed fleet only those that do not."""
+    if pd:
+        wrong = [r for r in routers if not (ROUTERS[r].pd or ROUTERS[r].kind == "kvroute")]
+        if wrong:
+            raise SystemExit(f"--pd: {wrong} do not split prefill and decode; use {PD_ROUTERS}")
+    else:
+        wrong = [r for r in routers if ROUTERS[r].pd]
+        if wrong:
+            raise SystemExit(f"{wrong} need a prefill/decode fleet (--pd P,D)")
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -442,6 +495,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--routers", default=None, help=f"comma list of {sorted(ROUTERS)}")
     p.add_argument("--workers", type=int, default=None)
+    p.add_argument(
+        "--pd",
+        default=None,
+        metavar="P,D",
+        help="prefill/decode fleet: P prefill-only and D decode-only engines (no mixed ones); "
+        f"routers default to {','.join(PD_ROUTERS)}",
+    )
     p.add_argument(
         "--preset",
         choices=sorted(BENCH_PRESETS),

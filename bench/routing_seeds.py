@@ -37,12 +37,12 @@ import shlex
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from bench.report import fmt, markdown_table, routing_markdown, routing_plot
+from bench.report import engines_label, fmt, markdown_table, routing_markdown, routing_plot
 from bench.routing_bench import build_config, parse_args, run_profile
 from kvroute.testbed.stats import TTFT_PART_LABELS, TTFT_PARTS, paired_bootstrap, percentile
 
@@ -72,11 +72,28 @@ def _answered(run_dir: Path, name: str) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _by_session(answered: dict[str, dict[str, Any]]) -> dict[str, list[float]]:
-    """TTFTs of answered requests (`_answered`) by session (a record without one is its own)."""
+def _ttft(r: dict[str, Any]) -> float | None:
+    return float(r["ttft"])
+
+
+def _tpot(r: dict[str, Any]) -> float | None:
+    """A record's time per output token after the first (None with fewer than two)."""
+    n = int(r.get("output_tokens") or 0)
+    if n < 2 or r.get("latency") is None:
+        return None
+    return (float(r["latency"]) - float(r["ttft"])) / (n - 1)
+
+
+def _by_session(
+    answered: dict[str, dict[str, Any]], value: Callable[[dict[str, Any]], float | None] = _ttft
+) -> dict[str, list[float]]:
+    """A value (TTFT by default) of answered requests (`_answered`) by session (a record
+    without one is its own); records without the value are left out."""
     out: dict[str, list[float]] = {}
     for rid, r in answered.items():
-        out.setdefault(r.get("session") or f"request {rid}", []).append(float(r["ttft"]))
+        x = value(r)
+        if x is not None:
+            out.setdefault(r.get("session") or f"request {rid}", []).append(x)
     return out
 
 
@@ -180,34 +197,38 @@ def aggregate(
     # each router's records of each seed, read once
     answered = {(s, name): _answered(run_dirs[s], name) for s in seeds for name in ok[s]}
     sessions = {k: _by_session(v) for k, v in answered.items()}
+    pd = any("pd" in row for s in seeds for row in ok[s].values())
+    tpots = {k: _by_session(v, _tpot) for k, v in answered.items()} if pd else {}
     routers: list[dict[str, Any]] = []
     for name in names:
         rows = {s: ok[s][name] for s in seeds if name in ok[s]}
         pooled = [t for s in rows for ts in sessions[s, name].values() for t in ts]
         losses = [history_losses(answered[s, name]) for s in rows]
-        routers.append(
-            {
-                "name": name,
-                "label": labels[name],
-                "earlier_run": next(
-                    (r["earlier_run"] for r in rows.values() if r.get("earlier_run")), None
-                ),
-                "seeds": sorted(rows),
-                "cached_ratio": _spread([x for r in rows.values() if (x := _ratio(r)) is not None]),
-                "ttft_p50": _spread([r["summary"]["ttft_p50"] for r in rows.values()]),
-                "ttft_p99": _spread([r["summary"]["ttft_p99"] for r in rows.values()]),
-                "history": {
-                    "later_turns": sum(n for n, _ in losses),
-                    "lost": sum(k for _, k in losses),
-                },
-                "pooled": {
-                    "requests": len(pooled),
-                    "ttft_p50": percentile(pooled, 50),
-                    "ttft_p90": percentile(pooled, 90),
-                    "ttft_p99": percentile(pooled, 99),
-                },
-            }
-        )
+        stats: dict[str, Any] = {
+            "name": name,
+            "label": labels[name],
+            "earlier_run": next(
+                (r["earlier_run"] for r in rows.values() if r.get("earlier_run")), None
+            ),
+            "seeds": sorted(rows),
+            "cached_ratio": _spread([x for r in rows.values() if (x := _ratio(r)) is not None]),
+            "ttft_p50": _spread([r["summary"]["ttft_p50"] for r in rows.values()]),
+            "ttft_p99": _spread([r["summary"]["ttft_p99"] for r in rows.values()]),
+            "history": {
+                "later_turns": sum(n for n, _ in losses),
+                "lost": sum(k for _, k in losses),
+            },
+            "pooled": {
+                "requests": len(pooled),
+                "ttft_p50": percentile(pooled, 50),
+                "ttft_p90": percentile(pooled, 90),
+                "ttft_p99": percentile(pooled, 99),
+            },
+        }
+        if pd:
+            pooled_tpot = [t for s in rows for ts in tpots[s, name].values() for t in ts]
+            stats["pd"] = pd_spreads(list(rows.values()), pooled_tpot)
+        routers.append(stats)
     if reference is not None and reference in names:
         ref: str | None = reference
     else:  # (main refuses a --reference that is not among the routers)
@@ -230,9 +251,36 @@ def aggregate(
         for q, pct in (("ttft_p50", 50.0), ("ttft_p99", 99.0)):
             d = paired_bootstrap(clusters, pct)
             entry["pooled_diff"][q] = None if d is None else d.to_json()
+        if pd:
+            clusters = _pairs(tpots, common, ref, name)
+            for q, pct in (("tpot_p50", 50.0), ("tpot_p99", 99.0)):
+                d = paired_bootstrap(clusters, pct)
+                entry["pooled_diff"][q] = None if d is None else d.to_json()
         paired.append(entry)
     _add_oracle_share(routers, ok)
     return {"seeds": seeds, "reference": ref, "routers": routers, "paired": paired}
+
+
+def pd_spreads(rows: Sequence[dict[str, Any]], pooled_tpot: Sequence[float]) -> dict[str, Any]:
+    """A prefill/decode router's per-seed results (routing_bench rows with ``pd``) as medians
+    and ranges over the seeds, with the TPOT percentiles of every seed's requests pooled."""
+
+    def spread(get: Callable[[dict[str, Any]], Any]) -> dict[str, float] | None:
+        return _spread([float(x) for r in rows if "pd" in r and (x := get(r)) is not None])
+
+    return {
+        "tpot_p50": spread(lambda r: r["summary"].get("tpot_p50")),
+        "tpot_p99": spread(lambda r: r["summary"].get("tpot_p99")),
+        "prefill_cached_ratio": spread(lambda r: r["pd"]["prefill"]["cached_ratio"]),
+        "decode_cached_ratio": spread(lambda r: r["pd"]["decode"]["cached_ratio"]),
+        "pulls_per_request": spread(lambda r: r["pd"]["kv_pulls_per_request"]),
+        "blocks_per_request": spread(lambda r: r["pd"]["kv_blocks_per_request"]),
+        "pooled": {
+            "requests": len(pooled_tpot),
+            "tpot_p50": percentile(pooled_tpot, 50),
+            "tpot_p99": percentile(pooled_tpot, 99),
+        },
+    }
 
 
 def _add_oracle_share(routers: list[dict[str, Any]], ok: dict[int, dict[str, Any]]) -> None:
@@ -264,7 +312,7 @@ def markdown(profile: str, agg: dict[str, Any], first: dict[str, Any], command: 
     lines = [
         f"# Routing benchmark over {len(seeds)} seeds: profile `{profile}`",
         "",
-        f"Fleet: {first['fleet']['workers']} simulated engines ({profile}, cache backend "
+        f"Fleet: {engines_label(first['fleet'])} ({profile}, cache backend "
         f"{first['fleet']['cache_backend']}); traces: {trace}, seeds "
         f"{', '.join(map(str, seeds))} (about {first['trace']['requests']} requests each); "
         f"replay: {first['replay']}. Each seed runs every router on a fresh fleet, one after "
@@ -306,6 +354,7 @@ def markdown(profile: str, agg: dict[str, Any], first: dict[str, Any], command: 
         for row, r in zip(rows, agg["routers"], strict=True):
             row.insert(3, fmt(r.get("vs_oracle"), pct=True))
     lines += [markdown_table(headers, rows), ""]
+    lines += _pd_lines(agg)
     carried = sorted(
         {f"{r['label']} ({r['earlier_run']})" for r in agg["routers"] if r.get("earlier_run")}
     )
@@ -348,6 +397,76 @@ def markdown(profile: str, agg: dict[str, Any], first: dict[str, Any], command: 
         ]
     lines += [f"Command: `{command}`", ""]
     return "\n".join(lines)
+
+
+def _pd_lines(agg: dict[str, Any]) -> list[str]:
+    """The prefill/decode table (median over seeds, range in brackets) and the pooled TPOT
+    differences against the reference; nothing for a run of mixed engines."""
+    runs = [r for r in agg["routers"] if r.get("pd")]
+    if not runs:
+        return []
+    rows = [
+        [
+            r["label"],
+            _range_ms(r["pd"]["tpot_p50"]),
+            _range_ms(r["pd"]["tpot_p99"]),
+            _ms_abs(r["pd"]["pooled"]["tpot_p50"]),
+            _ms_abs(r["pd"]["pooled"]["tpot_p99"]),
+            _range(r["pd"]["prefill_cached_ratio"], pct=True),
+            _range(r["pd"]["decode_cached_ratio"], pct=True),
+            _range(r["pd"]["pulls_per_request"]),
+            _range(r["pd"]["blocks_per_request"]),
+        ]
+        for r in runs
+    ]
+    headers = [
+        "router",
+        "TPOT p50 (ms)",
+        "TPOT p99 (ms)",
+        "pooled TPOT p50",
+        "pooled TPOT p99",
+        "prefill pool cached %",
+        "decode pool cached %",
+        "pulls per request",
+        "blocks pulled per request",
+    ]
+    lines = [
+        "Prefill/decode (median over seeds, range in brackets): time per output token after "
+        "the first; the prompt tokens each pool's engines found in their own prefix cache; the "
+        "decode engines' pulls from a prefill engine and the 16-token KV blocks they moved, per "
+        "answered request.",
+        "",
+        markdown_table(headers, rows),
+        "",
+    ]
+    ref = agg["reference"]
+    prow = [
+        [p["other"], *(_interval(p["pooled_diff"].get(q), 2) for q in ("tpot_p50", "tpot_p99"))]
+        for p in agg["paired"]
+        if "tpot_p50" in p.get("pooled_diff", {})
+    ]
+    if prow:
+        lines += [
+            markdown_table(
+                [
+                    "other router",
+                    *(f"pooled TPOT {q}: {ref} minus other (95% CI)" for q in ("p50", "p99")),
+                ],
+                prow,
+            ),
+            "",
+        ]
+    return lines
+
+
+def _range_ms(sp: dict[str, float] | None) -> str:
+    if sp is None:
+        return "-"
+    return f"{sp['median'] * 1000:.2f} ({sp['min'] * 1000:.2f}-{sp['max'] * 1000:.2f})"
+
+
+def _ms_abs(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1000:.2f}"
 
 
 def _cache_split_lines(paired: list[dict[str, Any]], ref: str) -> list[str]:
@@ -407,11 +526,11 @@ def _ms(x: float | None) -> str:
     return "-" if x is None else f"{x * 1000:+.2f} ms"
 
 
-def _interval(d: dict[str, Any] | None) -> str:
+def _interval(d: dict[str, Any] | None, nd: int = 1) -> str:
     if d is None:
         return "-"
-    ms = 1000.0
-    return f"{d['diff'] * ms:+.1f} ms [{d['low'] * ms:+.1f}, {d['high'] * ms:+.1f}]: {d['verdict']}"
+    lo, diff, hi = (f"{d[k] * 1000.0:+.{nd}f}" for k in ("low", "diff", "high"))
+    return f"{diff} ms [{lo}, {hi}]: {d['verdict']}"
 
 
 def merge_earlier(new: dict[str, Any], earlier: dict[str, Any] | None) -> dict[str, Any]:

@@ -8,6 +8,12 @@ Every router runs as its own process on loopback, in the benchmark's process gro
   not read the simulated engines' event format the way kvroute's bridges do),
 - ``python -m bench.proxy --policy P`` (the bench's yardsticks: oracle, naive prefix, ...).
 
+In front of a prefill/decode fleet (``RouterSpec.pd``): the peers' P/D modes,
+``vllm-router --vllm-pd-disaggregation`` and ``smg launch --pd-disaggregation``, given the
+prefill and decode engines apart (``--prefill URL ... --decode URL ...``), and the bench
+proxy's round-robin P/D relay; kvroute needs nothing more than the fleet's config, which
+gives each worker its role.
+
 A router is ready when its ``/v1/models`` lists the fleet's model.
 """
 
@@ -39,6 +45,10 @@ class RouterSpec:
     env: tuple[tuple[str, str], ...] = ()  # extra environment (kvroute: KVROUTE_* settings)
     # its bridges' scheduling class, "idle" or "nice" (None: the bench's --bridge-sched)
     bridge_sched: str | None = None
+    # a prefill/decode router: given the fleet's prefill and decode pools apart, it runs each
+    # request's prefill on one and its decode on the other (kvroute does so on its own when
+    # the fleet's config gives the workers those roles)
+    pd: bool = False
 
 
 ROUTERS: dict[str, RouterSpec] = {
@@ -174,6 +184,13 @@ ROUTERS: dict[str, RouterSpec] = {
         RouterSpec("oracle", "oracle (true engine caches)", "proxy", "oracle"),
         RouterSpec("bench-prefix", "naive text prefix (bench proxy)", "proxy", "prefix"),
         RouterSpec("bench-round-robin", "round robin (bench proxy)", "proxy", "round_robin"),
+        RouterSpec(
+            "vllm-router-pd", "vllm-router P/D, cache_aware", "vllm-router", "cache_aware", pd=True
+        ),
+        RouterSpec("smg-pd", "smg P/D, cache_aware", "smg", "cache_aware", pd=True),
+        RouterSpec(
+            "pd-round-robin", "P/D round robin (bench proxy)", "proxy", "round_robin", pd=True
+        ),
     ]
 }
 
@@ -206,38 +223,60 @@ def _kvroute_command(spec: RouterSpec, port: int, fleet: Fleet, peers: Peers) ->
     ]  # fmt: skip
 
 
+def _pools(fleet: Fleet) -> tuple[list[str], list[str]]:
+    """The URLs of a prefill/decode fleet's prefill engines and decode engines."""
+    prefill = [e.url for e in fleet.engines if e.role == "prefill"]
+    decode = [e.url for e in fleet.engines if e.role == "decode"]
+    if not prefill or not decode:
+        raise RouterUnavailable("a P/D router needs a fleet with prefill and decode engines")
+    return prefill, decode
+
+
 @dataclass(frozen=True)
 class _PeerRouter:
-    """A peer router from .venv-peers: smg and vllm-router take the same flags but two."""
+    """A peer router from .venv-peers: smg and vllm-router take the same flags but three."""
 
     binary: Callable[[Peers], Path | None]  # its executable, if installed
     subcommand: tuple[str, ...]
     log_level: str
+    pd_flag: str  # what turns its prefill/decode mode on
 
     def __call__(self, spec: RouterSpec, port: int, fleet: Fleet, peers: Peers) -> list[str]:
         path = self.binary(peers)
         if path is None:
             raise RouterUnavailable(peers.note or f"{spec.kind} not installed")
+        if spec.pd:  # each prefill URL without a bootstrap port: vLLM's NIXL needs none
+            prefill, decode = _pools(fleet)
+            workers = [self.pd_flag]
+            workers += [arg for url in prefill for arg in ("--prefill", url)]
+            workers += [arg for url in decode for arg in ("--decode", url)]
+        else:
+            workers = ["--worker-urls", *(e.url for e in fleet.engines)]
         return [
             str(path), *self.subcommand, "--host", "127.0.0.1", "--port", str(port),
-            "--worker-urls", *(e.url for e in fleet.engines), "--policy", spec.policy,
+            *workers, "--policy", spec.policy,
             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
             "--log-level", self.log_level,
         ]  # fmt: skip
 
 
 def _proxy_command(spec: RouterSpec, port: int, fleet: Fleet, peers: Peers) -> list[str]:
+    if spec.pd:
+        prefill, decode = _pools(fleet)
+        workers = ["--prefill", ",".join(prefill), "--decode", ",".join(decode)]
+    else:
+        workers = ["--engines", ",".join(e.url for e in fleet.engines)]
     return [
-        sys.executable, "-m", "bench.proxy", "--policy", spec.policy,
-        "--engines", ",".join(e.url for e in fleet.engines), "--port", str(port),
+        sys.executable, "-m", "bench.proxy", "--policy", spec.policy, *workers,
+        "--port", str(port),
     ]  # fmt: skip
 
 
 # RouterSpec.kind -> the command line that starts such a router
 _COMMANDS: dict[str, Callable[[RouterSpec, int, Fleet, Peers], list[str]]] = {
     "kvroute": _kvroute_command,
-    "smg": _PeerRouter(lambda p: p.smg, ("launch",), "warn"),
-    "vllm-router": _PeerRouter(lambda p: p.vllm_router, (), "warning"),
+    "smg": _PeerRouter(lambda p: p.smg, ("launch",), "warn", "--pd-disaggregation"),
+    "vllm-router": _PeerRouter(lambda p: p.vllm_router, (), "warning", "--vllm-pd-disaggregation"),
     "proxy": _proxy_command,
 }
 

@@ -18,7 +18,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,7 @@ from kvroute.testbed.procs import Child, ProcessGroup, wait_http
 class Engine:
     name: str
     url: str
+    role: str = "both"  # both, prefill or decode (a prefill/decode fleet's pools)
 
 
 @dataclass(frozen=True)
@@ -72,11 +73,14 @@ def start_fleet(
     timeout_s: float = 90.0,
     python: str | None = None,
     cpus: Sequence[int] | None = None,
+    pd: tuple[int, int] | None = None,
 ) -> Fleet:
     """Start a fleet and wait until every engine answers; raises :class:`FleetError`.
 
     ``python`` runs the fleet with another interpreter (vLLM's, for ``--cache-backend vllm``),
-    with this checkout on its path. ``cpus``: the engines and bridges run only there.
+    with this checkout on its path. ``cpus``: the engines and bridges run only there. ``pd``
+    (prefill, decode): that many prefill-only and decode-only engines besides the ``workers``
+    mixed ones (``kvroute sim fleet --prefill P --decode D``).
     """
     config = run_dir / f"fleet-{profile}.yaml"
     config.unlink(missing_ok=True)
@@ -94,6 +98,8 @@ def start_fleet(
         str(config),
         *extra_args,
     ]
+    if pd is not None:
+        cmd += ["--prefill", str(pd[0]), "--decode", str(pd[1])]
     env = {"PYTHONPATH": str(ROOT)} if python else None
     child = pg.start(f"fleet-{profile}", cmd, env=env, cpus=cpus)
     deadline = time.monotonic() + timeout_s
@@ -106,7 +112,10 @@ def start_fleet(
             time.sleep(0.1)
         time.sleep(0.1)  # the writer may still be flushing
         cfg: Any = yaml.safe_load(config.read_text())
-        engines = tuple(Engine(str(w["name"]), str(w["url"]).rstrip("/")) for w in cfg["workers"])
+        engines = tuple(
+            Engine(str(w["name"]), str(w["url"]).rstrip("/"), str(w.get("role") or "both"))
+            for w in cfg["workers"]
+        )
         for e in engines:
             wait_http(e.url + "/health", max(1.0, deadline - time.monotonic()), child.popen)
         model = next((str(w["model"]) for w in cfg["workers"] if w.get("model")), None)
@@ -114,6 +123,11 @@ def start_fleet(
     except (FleetError, TimeoutError, RuntimeError, OSError, KeyError, TypeError) as exc:
         raise FleetError(f"{exc}\n--- fleet log ---\n{child.tail(30)}") from None
     return Fleet(profile, engines, model, config, child)
+
+
+# The outcomes of a simulated decode's pull that leave it to compute the prompt itself
+# (kvroute/sim/engine/kv_transfer.py).
+PULL_FAILURES = ("invalid", "gone", "unreachable")
 
 
 @dataclass(frozen=True)
@@ -125,6 +139,15 @@ class EngineCounters:
     requests_ok: float = 0.0
     busy_seconds: float = 0.0  # simulated GPU time (sim-only, from /sim/state)
     preemptions: float = 0.0  # sim-only, from /sim/state
+    # prefill/decode: pulls this engine made as a decode (any outcome) and the KV blocks they
+    # moved, and the prefills whose blocks it kept for a decode (sim-only, /sim/state)
+    kv_pulls: float = 0.0
+    kv_blocks_pulled: float = 0.0
+    kv_leases: float = 0.0
+    # pulls that brought nothing (the producer no longer held the blocks, could not be reached,
+    # or the params were incomplete: the decode computed the prompt) and leases that ran out
+    kv_pull_failures: float = 0.0
+    kv_leases_expired: float = 0.0
 
 
 _COUNTERS = {
@@ -159,10 +182,18 @@ def scrape(engines: Sequence[Engine], timeout_s: float = 5.0) -> list[EngineCoun
         try:
             with urllib.request.urlopen(e.url + "/sim/state", timeout=timeout_s) as resp:
                 st = json.loads(resp.read())
+            kv = st.get("kv_transfer") or {}
             c = replace(
                 c,
                 busy_seconds=float(st.get("busy_seconds", 0.0)),
                 preemptions=float(st.get("preemptions", 0.0)),
+                kv_pulls=float(sum((kv.get("pulls") or {}).values())),
+                kv_blocks_pulled=float(kv.get("blocks_pulled", 0.0)),
+                kv_leases=float(kv.get("leases_granted", 0.0)),
+                kv_pull_failures=float(
+                    sum(n for k, n in (kv.get("pulls") or {}).items() if k in PULL_FAILURES)
+                ),
+                kv_leases_expired=float(kv.get("leases_expired", 0.0)),
             )
         except (OSError, ValueError, AttributeError):
             pass
@@ -172,21 +203,56 @@ def scrape(engines: Sequence[Engine], timeout_s: float = 5.0) -> list[EngineCoun
 
 def delta(before: Sequence[EngineCounters], after: Sequence[EngineCounters]) -> dict[str, Any]:
     """Per-engine and total change of the counters between two scrapes."""
+    names = [f.name for f in fields(EngineCounters)]
     per = [
-        EngineCounters(
-            a.prefix_cache_queries - b.prefix_cache_queries,
-            a.prefix_cache_hits - b.prefix_cache_hits,
-            a.requests_ok - b.requests_ok,
-            a.busy_seconds - b.busy_seconds,
-            a.preemptions - b.preemptions,
-        )
+        EngineCounters(**{n: getattr(a, n) - getattr(b, n) for n in names})
         for b, a in zip(before, after, strict=True)
     ]
     return {
         "engine_prompt_tokens": int(sum(p.prefix_cache_queries for p in per)),
         "engine_cached_tokens": int(sum(p.prefix_cache_hits for p in per)),
         "per_engine_requests": [int(p.requests_ok) for p in per],
+        "per_engine_prompt_tokens": [int(p.prefix_cache_queries) for p in per],
         "per_engine_cached_tokens": [int(p.prefix_cache_hits) for p in per],
         "per_engine_busy_s": [round(p.busy_seconds, 2) for p in per],
+        "per_engine_kv_pulls": [int(p.kv_pulls) for p in per],
+        "per_engine_kv_blocks_pulled": [int(p.kv_blocks_pulled) for p in per],
+        "per_engine_kv_leases": [int(p.kv_leases) for p in per],
+        "per_engine_kv_pull_failures": [int(p.kv_pull_failures) for p in per],
+        "per_engine_kv_leases_expired": [int(p.kv_leases_expired) for p in per],
         "preemptions": int(sum(p.preemptions for p in per)),
     }
+
+
+def pd_pools(engines: Sequence[Engine], row: dict[str, Any], answered: int) -> dict[str, Any]:
+    """A prefill/decode run's counters by pool, from a :func:`delta` row of those engines and
+    the number of requests the client got answered: each pool's prompt and cached tokens,
+    requests and simulated GPU seconds, the decode pool's pulls and the KV blocks they moved
+    (in total and per answered request) and the pulls that brought nothing, and the prefills
+    whose blocks were kept for a pull and the leases that ran out unpulled."""
+
+    def total(key: str, role: str) -> float:
+        return float(sum(v for e, v in zip(engines, row[key], strict=True) if e.role == role))
+
+    out: dict[str, Any] = {}
+    for role in ("prefill", "decode"):
+        prompt = int(total("per_engine_prompt_tokens", role))
+        cached = int(total("per_engine_cached_tokens", role))
+        out[role] = {
+            "engines": sum(1 for e in engines if e.role == role),
+            "requests": int(total("per_engine_requests", role)),
+            "prompt_tokens": prompt,
+            "cached_tokens": cached,
+            "cached_ratio": round(cached / prompt, 4) if prompt else None,
+            "busy_s": round(total("per_engine_busy_s", role), 2),
+        }
+    pulls = int(total("per_engine_kv_pulls", "decode"))
+    blocks = int(total("per_engine_kv_blocks_pulled", "decode"))
+    out["kv_leases"] = int(total("per_engine_kv_leases", "prefill"))
+    out["kv_leases_expired"] = int(total("per_engine_kv_leases_expired", "prefill"))
+    out["kv_pull_failures"] = int(total("per_engine_kv_pull_failures", "decode"))
+    out["kv_pulls"] = pulls
+    out["kv_blocks_pulled"] = blocks
+    out["kv_pulls_per_request"] = round(pulls / answered, 4) if answered else None
+    out["kv_blocks_per_request"] = round(blocks / answered, 2) if answered else None
+    return out

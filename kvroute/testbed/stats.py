@@ -150,6 +150,9 @@ class Summary:
     # Median of each TTFT part (seconds; TTFT_PARTS), over the requests whose engine reported
     # its timing; empty when none did.
     ttft_parts_p50: dict[str, float] = field(default_factory=dict)
+    # Time per output token after the first (seconds), over the requests with two or more.
+    tpot_p50: float | None = None
+    tpot_p99: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -172,10 +175,19 @@ def ttft_parts_p50(records: Sequence[RequestRecord]) -> dict[str, float]:
     return {k: _r(percentile([getattr(r, k) for r in split], 50), 5) or 0.0 for k in TTFT_PARTS}
 
 
+def tpot(record: RequestRecord) -> float | None:
+    """A request's time per output token after its first: (latency - TTFT) / (tokens - 1);
+    None when it has fewer than two tokens or no times."""
+    if record.ttft is None or record.latency is None or record.output_tokens < 2:
+        return None
+    return (record.latency - record.ttft) / (record.output_tokens - 1)
+
+
 def summarize(records: Sequence[RequestRecord], slo_ttft_s: float) -> Summary:
     """Summary of ``records`` (duration = first send to last completion)."""
     ok = [r for r in records if r.ok]
     ttfts = [r.ttft for r in ok if r.ttft is not None]
+    tpots = [t for r in ok if (t := tpot(r)) is not None]
     lats = [r.latency for r in ok if r.latency is not None]
     sent = [r.sent for r in records if not math.isnan(r.sent)]
     ends = [r.sent + r.latency for r in ok if r.latency is not None]
@@ -212,4 +224,6 @@ def summarize(records: Sequence[RequestRecord], slo_ttft_s: float) -> Summary:
         slo_attainment=round(good / len(records), 4) if records else 0.0,
         error_kinds=kinds,
         ttft_parts_p50=ttft_parts_p50(ok),
+        tpot_p50=_r(percentile(tpots, 50), 5),
+        tpot_p99=_r(percentile(tpots, 99), 5),
     )

@@ -16,6 +16,13 @@ FLEET: Any = SimpleNamespace(
     engines=[SimpleNamespace(url="http://127.0.0.1:1"), SimpleNamespace(url="http://127.0.0.1:2")],
     config_path=Path("fleet.yaml"),
 )
+PD_FLEET: Any = SimpleNamespace(
+    engines=[
+        SimpleNamespace(url="http://127.0.0.1:1", role="prefill"),
+        SimpleNamespace(url="http://127.0.0.1:2", role="decode"),
+    ],
+    config_path=Path("fleet.yaml"),
+)
 PEERS = Peers(Path("peers/smg"), Path("peers/vllm-router"))
 
 
@@ -26,7 +33,7 @@ def _fixed_port(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_every_router_has_a_command() -> None:
     for spec in ROUTERS.values():
-        argv = command(spec, 9000, FLEET, PEERS)
+        argv = command(spec, 9000, PD_FLEET if spec.pd else FLEET, PEERS)
         assert "9000" in argv and spec.policy in argv, spec.name
 
 

@@ -7,6 +7,9 @@ Policies:
 
 - ``round_robin``: next engine in turn.
 - ``least_load``: fewest requests in flight through this proxy.
+- ``session_hash``: session affinity, a consistent (rendezvous) hash of the conversation's id
+  (the ``x-session-id`` header, else the body's ``user``) over the engines, so every turn of
+  a conversation goes to one engine whatever its load; requests without either go round robin.
 - ``prefix``: a naive approximate prefix router (what text-based routers do): it hashes the
   request text in 256-character chunks, remembers which engine it sent each chunk chain
   to (bounded LRU), and sends a request to the engine with the longest remembered match
@@ -15,9 +18,13 @@ Policies:
   now (the simulated engine's probe endpoint, exact by construction), and adds what each
   engine is about to hold: the longest 16-token-block common prefix with the requests in
   flight on it (exact token ids from the engine's ``/tokenize``), so simultaneous requests
-  that share a new prefix go together. It picks the largest; ties go to the fewest requests
-  in flight. A yardstick for cache reuse, not a policy a deployment could run (one probe per
-  engine per request).
+  that share a new prefix go together. It picks the largest, and treats as tied every engine
+  whose reuse falls short of the largest by less than ``--tie-share`` of the prompt (default
+  0.1): ties go to the fewest requests in flight. Without that margin a prefix every prompt
+  shares (one system block) held by one busy engine, and by its requests in flight, outbids
+  the idle engines for every request, and that one engine takes the whole trace.
+  A yardstick for cache reuse, not a policy a deployment could run (one probe per engine per
+  request).
 
 With ``--prefill URL,URL --decode URL,URL`` instead of ``--engines`` it is a prefill/decode
 proxy (policy ``round_robin`` only: the round-robin P/D baseline). Each generation request
@@ -48,7 +55,8 @@ from aiohttp import web
 
 log = logging.getLogger("bench.proxy")
 
-POLICIES = ("round_robin", "least_load", "prefix", "oracle")
+POLICIES = ("round_robin", "least_load", "prefix", "oracle", "session_hash")
+SESSION_HEADER = "x-session-id"
 CHUNK_CHARS = 256
 PROBE_PATH = "/sim/probe"
 
@@ -166,6 +174,23 @@ class PdPools:
         )
 
 
+def session_engine(key: str, n_engines: int) -> int:
+    """Rendezvous hashing: the engine with the highest hash of (key, engine index). Removing an
+    engine moves only its own sessions."""
+    return max(range(n_engines), key=lambda i: xxhash.xxh3_64_intdigest(f"{i}/{key}".encode()))
+
+
+def oracle_pick(
+    scores: Sequence[int], inflight: Sequence[int], prompt_tokens: int, tie_share: float
+) -> int:
+    """The oracle's engine: among those whose score is within ``tie_share`` of the prompt of
+    the best score, the one with the fewest requests in flight (then the lowest index)."""
+    top = max(scores)
+    margin = tie_share * prompt_tokens
+    tied = [i for i, s in enumerate(scores) if top - s <= margin]
+    return min(tied, key=lambda i: (inflight[i], i))
+
+
 @dataclass
 class ProxyState:
     engines: list[str]
@@ -179,6 +204,7 @@ class ProxyState:
     serial: itertools.count[int]
     probe_failures: int = 0
     pd: PdPools | None = None  # set: a prefill/decode proxy (engines = the decode pool)
+    tie_share: float = 0.1
 
     def least_loaded(self, among: Sequence[int] | None = None) -> int:
         cands = list(range(len(self.engines))) if among is None else list(among)
@@ -227,11 +253,13 @@ class ProxyState:
         for i in range(n):
             ahead = max((common_blocks(keys, p) for p in self.pending[i].values()), default=0)
             scores.append(max(hits[i], min(ahead * BLOCK, cap)))
-        top = max(scores)
-        return self.least_loaded([i for i in range(n) if scores[i] == top]), keys
+        return oracle_pick(scores, self.inflight, len(ids), self.tie_share), keys
 
-    async def choose(self, body: dict[str, Any]) -> int:
+    async def choose(self, body: dict[str, Any], session: str | None = None) -> int:
         n = len(self.engines)
+        if self.policy == "session_hash":
+            key = session or (body.get("user") if isinstance(body.get("user"), str) else None)
+            return session_engine(key, n) if key else next(self.rr) % n
         if self.policy == "round_robin":
             return next(self.rr) % n
         if self.policy == "least_load":
@@ -310,7 +338,7 @@ async def _proxy(request: web.Request) -> web.StreamResponse:
         i, keys = await st.choose_oracle(body)
         st.pending[i][serial] = keys
     else:
-        i = await st.choose(body)
+        i = await st.choose(body, request.headers.get(SESSION_HEADER))
     st.inflight[i] += 1
     try:
         async with st.http.request(
@@ -336,6 +364,7 @@ def make_app(
     policy: str,
     threshold: float = 0.3,
     prefill: Sequence[str] = (),
+    tie_share: float = 0.1,
 ) -> web.Application:
     """The proxy as an aiohttp app (the HTTP client is created on start-up). With ``prefill``
     engines it is a prefill/decode proxy and ``engines`` are the decode engines."""
@@ -364,6 +393,7 @@ def make_app(
             pending=[{} for _ in engines],
             serial=itertools.count(),
             pd=PdPools([e.rstrip("/") for e in prefill], strip) if prefill else None,
+            tie_share=tie_share,
         )
 
     async def on_cleanup(app: web.Application) -> None:
@@ -385,14 +415,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--threshold", type=float, default=0.3, help="prefix: min match ratio")
+    p.add_argument(
+        "--tie-share",
+        type=float,
+        default=0.1,
+        help="oracle: reuse within this share of the prompt (0-1) of the best counts as a tie, "
+        "broken by requests in flight",
+    )
     args = p.parse_args(argv)
     if bool(args.prefill) != bool(args.decode) or bool(args.engines) == bool(args.decode):
         p.error("give either --engines or both --prefill and --decode")
+    if not 0 <= args.tie_share <= 1:
+        p.error("--tie-share must be in [0, 1]")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     prefill = args.prefill.split(",") if args.prefill else []
     engines = (args.decode or args.engines).split(",")
     try:
-        app = make_app(engines, args.policy, args.threshold, prefill)
+        app = make_app(engines, args.policy, args.threshold, prefill, args.tie_share)
     except ValueError as exc:
         p.error(str(exc))
     web.run_app(app, host=args.host, port=args.port, print=None, access_log=None)

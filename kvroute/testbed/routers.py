@@ -191,6 +191,12 @@ ROUTERS: dict[str, RouterSpec] = {
         RouterSpec(
             "pd-round-robin", "P/D round robin (bench proxy)", "proxy", "round_robin", pd=True
         ),
+        RouterSpec(
+            "bench-session",
+            "session affinity, consistent hash (bench proxy)",
+            "proxy",
+            "session_hash",
+        ),
     ]
 }
 

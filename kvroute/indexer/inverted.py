@@ -64,21 +64,23 @@ class InvertedIndex:
 class WorkerSink:
     """`PresenceSink` of one worker in the fleet's inverted index."""
 
-    __slots__ = ("_bit", "_extra", "_inv", "_present")
+    __slots__ = ("_bit", "_dicts", "_extra", "_inv", "_present")
 
     def __init__(self, inv: InvertedIndex, index: int) -> None:
         self._inv = inv
         self._bit = inv.bit(index)
         self._extra: dict[tuple[int, int], int] = {}  # (slot, key) -> copies, when >= 2
         self._present: list[int] = []  # per slot: keys held
+        self._dicts: list[dict[int, int]] = []  # the index's dicts of this worker's slots
 
     def add_slot(self, slot: int) -> None:
         self._inv.ensure_slot(slot)
         while len(self._present) <= slot:
             self._present.append(0)
+            self._dicts.append(self._inv.slots[len(self._dicts)])
 
     def add(self, slot: int, key: int) -> None:
-        d = self._inv.slots[slot]
+        d = self._dicts[slot]
         v = d.get(key)
         if v is None:
             d[key] = self._bit
@@ -97,11 +99,16 @@ class WorkerSink:
             del d[key]
 
     def discard(self, slot: int, key: int) -> bool:
-        d = self._inv.slots[slot]
+        d = self._dicts[slot]
         v = d.get(key, 0)
-        if not v & self._bit:
+        bit = self._bit
+        if not v & bit:
             return False
-        n = self._extra.get((slot, key))
+        if v == bit and not self._extra:  # the common case: the only holder, one copy
+            del d[key]
+            self._present[slot] -= 1
+            return True
+        n = self._extra.get((slot, key)) if self._extra else None
         if n is not None:
             if n == 2:
                 del self._extra[slot, key]
@@ -112,10 +119,64 @@ class WorkerSink:
         self._present[slot] -= 1
         return True
 
-    def holds(self, key: int) -> bool:
-        slots = self._inv.slots
+    def discard_all(self, slot: int, keys: list[int]) -> list[bool]:
+        """`discard` of each key in order, in one call: whether each withdrew a copy."""
+        d = self._dicts[slot]
         bit = self._bit
-        return any(slots[s].get(key, 0) & bit for s in range(len(self._present)))
+        extra = self._extra
+        out: list[bool] = []
+        removed = 0
+        for key in keys:
+            v = d.get(key, 0)
+            if not v & bit:
+                out.append(False)
+                continue
+            out.append(True)
+            if extra:
+                n = extra.get((slot, key))
+                if n is not None:  # one of several copies goes; the key stays held
+                    if n == 2:
+                        del extra[slot, key]
+                    else:
+                        extra[slot, key] = n - 1
+                    continue
+            if v == bit:  # the only holder
+                del d[key]
+            else:
+                self._unset(d, key, v)
+            removed += 1
+        self._present[slot] -= removed
+        return out
+
+    def add_all(self, slot: int, keys: list[int]) -> None:
+        """`add` of each key in order, in one call."""
+        d = self._dicts[slot]
+        bit = self._bit
+        swap = self._inv.swap
+        added = 0
+        for key in keys:
+            v = d.get(key)
+            if v is None:
+                d[key] = bit
+            elif v & bit:
+                self._extra[slot, key] = self._extra.get((slot, key), 1) + 1
+                continue
+            else:
+                d[key] = swap(v, v | bit)
+            added += 1
+        self._present[slot] += added
+
+    def holds_all(self, keys: list[int]) -> list[bool]:
+        """`holds` of each key, in one call."""
+        bit = self._bit
+        if len(self._dicts) == 1:  # one group: no loop over slots per key
+            get = self._dicts[0].get
+            return [bool(get(key, 0) & bit) for key in keys]
+        return [self.holds(key) for key in keys]
+
+    def holds(self, key: int) -> bool:
+        bit = self._bit
+        return any(d.get(key, 0) & bit for d in self._dicts)
 
     def drop(self, key: int) -> None:
         slots = self._inv.slots

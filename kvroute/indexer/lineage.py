@@ -33,7 +33,7 @@ import math
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from itertools import islice
+from itertools import compress, islice
 from typing import Protocol
 
 from kvroute.indexer.keys import (
@@ -67,7 +67,10 @@ class PresenceSink(Protocol):
     def add_slot(self, slot: int) -> None: ...
     def add(self, slot: int, key: int) -> None: ...
     def discard(self, slot: int, key: int) -> bool: ...
+    def discard_all(self, slot: int, keys: list[int]) -> list[bool]: ...
+    def add_all(self, slot: int, keys: list[int]) -> None: ...
     def holds(self, key: int) -> bool: ...
+    def holds_all(self, keys: list[int]) -> list[bool]: ...
     def drop(self, key: int) -> None: ...
     def clear(self, keys: Iterable[int]) -> None: ...
     def present(self, slot: int) -> int: ...
@@ -201,8 +204,26 @@ class Lineage:
         `end_batch` (the same result as one call)."""
         for event in lineage:
             self._guarded(self._place, event)
+        # Most events of a busy engine are REMOVEs of one hash each. A run of them in one
+        # group is applied as one list (in order, so the result is the same): a REMOVE never
+        # raises and never grows the view, so it needs neither the guard nor the caps check.
+        run: list[bytes] = []
+        run_group = 0
         for event in events:
+            if event.operation == _REMOVE:
+                group = event.group_id
+                if run and group != run_group:
+                    self._remove_run(run_group, run)
+                    run = []
+                run_group = group
+                run.extend(event.block_hashes)
+                continue
+            if run:
+                self._remove_run(run_group, run)
+                run = []
             self._guarded(self._apply, event)
+        if run:
+            self._remove_run(run_group, run)
 
     def end_batch(self) -> None:
         """End a batch: release history no reported block and no pending report needs."""
@@ -403,23 +424,34 @@ class Lineage:
     ) -> None:
         """The common case of a dense store: every block's content key is known."""
         res, unm, pend, waiting = self._res, self._unm, self._pend, self._waiting
-        add = self._sink.add
         ns = base.namespace
-        for h, key in zip(hashes, block_keys, strict=True):
-            old = res.get(h)
-            if old is None:
-                if h in unm or h in pend:
-                    self._resolve(h, key, ns)
-                else:
-                    res[h] = key
-                    if ns is not DEFAULT_NAMESPACE:
-                        self._ns[h] = ns
-                if h in waiting:
-                    self._cascade(h)
-            elif old != key:
-                raise Conflict("a hash learned with different content or position")
-            if slot is not None:
-                add(slot, key)
+        olds = list(map(res.get, hashes))
+        if (
+            olds.count(None) == len(olds)
+            and not (unm or pend or waiting)
+            and len(set(hashes)) == len(hashes)
+        ):  # the usual store: new blocks, nothing waiting on them
+            res.update(zip(hashes, block_keys, strict=True))
+            if ns is not DEFAULT_NAMESPACE:
+                self._ns.update(dict.fromkeys(hashes, ns))
+        else:
+            for h, key in zip(hashes, block_keys, strict=True):
+                old = res.get(h)  # not olds: an earlier block of this store may be h
+                if old is None:
+                    if h in unm or h in pend:
+                        self._resolve(h, key, ns)
+                    else:
+                        res[h] = key
+                        if ns is not DEFAULT_NAMESPACE:
+                            self._ns[h] = ns
+                    if h in waiting:
+                        self._cascade(h)
+                elif old != key:
+                    raise Conflict("a hash learned with different content or position")
+        # presence after every key is in the view: a conflict above discards the view by
+        # its keys, and must find no presence without one
+        if slot is not None:
+            self._sink.add_all(slot, block_keys)
 
     def _wait(
         self, parent: bytes, h: bytes, data: bytes, lora: str, salt: str, unmatchable: bool
@@ -506,12 +538,20 @@ class Lineage:
     # -- REMOVE / CLEAR ------------------------------------------------------------------
 
     def _remove(self, e: events_pb2.KvGroupEvent) -> None:
-        g = self._groups.get(e.group_id)
+        self._remove_run(e.group_id, list(e.block_hashes))
+
+    def _remove_run(self, group_id: int, hashes: list[bytes]) -> None:
+        """Withdraw one copy of each hash from the group, in order."""
+        g = self._groups.get(group_id)
         if g is None:
             return  # nothing of that group is held
         slot = g.slot
-        for h in e.block_hashes:
-            key = self._res.get(h)
+        keys = list(map(self._res.get, hashes))
+        if None not in keys:  # the common case: every hash resolved and matchable
+            done = self._sink.discard_all(slot, keys)  # type: ignore[arg-type]
+            self._candidates.update(compress(hashes, done))
+            return
+        for h, key in zip(hashes, keys, strict=True):
             if key is not None:
                 if self._sink.discard(slot, key):
                     self._candidates.add(h)
@@ -542,22 +582,32 @@ class Lineage:
     def _release(self) -> None:
         """Release history no reported block and no pending report needs."""
         if self._cleared:
-            candidates: Iterable[bytes] = [*self._res, *self._unm, *self._candidates]
+            candidates = list(dict.fromkeys([*self._res, *self._unm, *self._candidates]))
             self._cleared = False
         else:
-            candidates = self._candidates
-        for h in list(candidates):
-            key = self._res.get(h)
+            candidates = list(self._candidates)
+        self._candidates.clear()
+        res = self._res
+        keys = list(map(res.get, candidates))
+        if None not in keys:  # the common case: resolved matchable blocks only, in bulk
+            held = self._sink.holds_all(keys)  # type: ignore[arg-type]
+            for h, kept in zip(candidates, held, strict=True):
+                if not kept:
+                    del res[h]
+            if self._ns:
+                for h in compress(candidates, [not kept for kept in held]):
+                    self._ns.pop(h, None)
+            return
+        for h, key in zip(candidates, keys, strict=True):
             if key is not None:
                 if not self._sink.holds(key):
-                    del self._res[h]
+                    del res[h]
                     self._ns.pop(h, None)
             elif h in self._unm:
                 if not self._held(h):
                     del self._unm[h]
             else:
                 self._release_pending(h)
-        self._candidates.clear()
 
     def _release_pending(self, h: bytes) -> None:
         while h in self._pend and not self._held(h) and not self._waiting.get(h):

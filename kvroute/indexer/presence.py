@@ -32,6 +32,16 @@ class DictSink:
             d[key] = n - 1
         return True
 
+    def discard_all(self, slot: int, keys: list[int]) -> list[bool]:
+        return [self.discard(slot, key) for key in keys]
+
+    def add_all(self, slot: int, keys: list[int]) -> None:
+        for key in keys:
+            self.add(slot, key)
+
+    def holds_all(self, keys: list[int]) -> list[bool]:
+        return [self.holds(key) for key in keys]
+
     def holds(self, key: int) -> bool:
         return any(key in d for d in self.slots)
 

@@ -359,7 +359,9 @@ def create_app(
     jobs = [
         Periodic("health", registry, health, cfg.health.interval_s),
         Periodic("models", registry, models_probe, cfg.health.models_interval_s),
-        Periodic("metrics", registry, metrics_probe, cfg.load.metrics_interval_s),
+        Periodic(
+            "metrics", registry, metrics_probe, cfg.load.metrics_interval_s, metrics_probe.due
+        ),
         Periodic("peak_blocks", registry, peak_blocks, cfg.load.metrics_interval_s),
     ]
     admin = Admin(

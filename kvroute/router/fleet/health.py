@@ -25,20 +25,47 @@ log = logging.getLogger("kvroute.router.health")
 Probe = Callable[[Worker], Awaitable[None]]
 
 
-class Periodic:
-    """Runs `probe` on every worker every `interval_s` seconds, concurrently."""
+# Workers probed together in one slice of a round: a round over thousands of workers is cut
+# into slices spread evenly over its interval, so the loop never starts thousands of probes
+# at once. A size chosen, not measured.
+SLICE = 64
 
-    def __init__(self, name: str, registry: WorkerRegistry, probe: Probe, interval_s: float):
+
+class Periodic:
+    """Runs `probe` on every worker every `interval_s` seconds: each round's workers in slices
+    of `SLICE`, their starts spread evenly over the interval, each slice's probes concurrent.
+    With `due`, only the workers it accepts are probed (no task for the rest)."""
+
+    def __init__(
+        self,
+        name: str,
+        registry: WorkerRegistry,
+        probe: Probe,
+        interval_s: float,
+        due: Callable[[Worker], bool] | None = None,
+    ):
         self.name = name
         self._registry = registry
         self._probe = probe
         self._interval = interval_s
+        self._due = due
         self._task: asyncio.Task[None] | None = None
 
-    async def run_once(self) -> None:
+    async def run_once(self, spread_s: float = 0.0) -> None:
+        """One round over the workers registered now; with `spread_s`, the slices start
+        `spread_s / slices` apart, the first after one such gap."""
         workers = list(self._registry)
-        if workers:
-            await asyncio.gather(*(self._safe(w) for w in workers))
+        slices = [workers[i : i + SLICE] for i in range(0, len(workers), SLICE)]
+        gap = spread_s / max(1, len(slices))
+        if not slices and gap > 0:
+            await asyncio.sleep(gap)
+        for chunk in slices:
+            if gap > 0:
+                await asyncio.sleep(gap)
+            due = self._due
+            todo = [w for w in chunk if self._registry.get(w.name) is w and (due is None or due(w))]
+            if todo:
+                await asyncio.gather(*(self._safe(w) for w in todo))
 
     async def _safe(self, worker: Worker) -> None:
         try:
@@ -58,8 +85,7 @@ class Periodic:
 
     async def _loop(self) -> None:
         while True:
-            await asyncio.sleep(self._interval)
-            await self.run_once()
+            await self.run_once(spread_s=self._interval)
 
 
 class HealthChecker:
@@ -166,9 +192,13 @@ class MetricsProbe:
         self._max = max_s
         self._kv_quiet_below = kv_quiet_below
 
+    def due(self, worker: Worker) -> bool:
+        """Whether the worker's next read is due (`ScrapeBackoff`)."""
+        return worker.load.scrape.due(self._clock())
+
     async def __call__(self, worker: Worker) -> None:
         load = worker.load
-        if not load.scrape.due(self._clock()):
+        if not self.due(worker):
             return
         running_before, prefilling_before = load.running, load.prefilling
         try:

@@ -31,6 +31,14 @@ class EngineMetrics:
     at: float  # monotonic time of the scrape
     own_running_at: int  # this process's running count at scrape time
     own_prefilling_at: int
+    # (running, waiting) requests the engine had that this process did not send: fixed by
+    # the scrape, so worked out once here instead of per candidate of every decision
+    others: tuple[int, int] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        others_total = max(0, round(self.running + self.waiting) - self.own_running_at)
+        others_waiting = max(0, round(self.waiting) - self.own_prefilling_at)
+        object.__setattr__(self, "others", (others_total, min(others_waiting, others_total)))
 
 
 @dataclass(slots=True)
@@ -74,10 +82,7 @@ class WorkerLoad:
         m = self.engine
         if m is None or now - m.at > stale_after:
             return 0, 0
-        total = m.running + m.waiting
-        others_total = max(0, round(total) - m.own_running_at)
-        others_waiting = max(0, round(m.waiting) - m.own_prefilling_at)
-        return others_total, min(others_waiting, others_total)
+        return m.others
 
     def kv_usage(self, now: float, stale_after: float) -> float | None:
         m = self.engine

@@ -8,6 +8,7 @@ subscriptions, the index) register a `RegistryListener` and follow additions and
 from __future__ import annotations
 
 import time
+from bisect import bisect_left
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -134,8 +135,14 @@ class WorkerRegistry:
         self._on_breaker_change = on_breaker_change
         self._workers: dict[str, Worker] = {}
         self._listeners: list[RegistryListener] = []
-        self._by_model: dict[str, list[Worker]] | None = None
-        self._routes: dict[str, ModelRoute] | None = None
+        # Kept per change in O(models of the worker), never rebuilt over the whole fleet (a
+        # fleet of thousands reporting its models one by one would make start-up quadratic):
+        # model -> its workers in registry order
+        self._model_workers: dict[str, _Members] = {}
+        self._routes: dict[str, ModelRoute] = {}  # dropped when a model's workers change
+        self._by_url: dict[str, list[Worker]] = {}  # DP ranks share one URL
+        self._seq = 0  # registry order: a worker added later sorts after
+        self._order: dict[str, int] = {}
 
     def listen(self, listener: RegistryListener) -> None:
         self._listeners.append(listener)
@@ -171,8 +178,10 @@ class WorkerRegistry:
             hook = self._on_breaker_change
             worker.breaker.on_change = lambda old, new: hook(worker, old, new)
         self._workers[spec.name] = worker
-        self._refresh_shared_urls()
-        self._changed()
+        self._seq += 1
+        self._order[spec.name] = self._seq
+        self._url_joined(worker)
+        self._reindex(worker, set())
         for listener in self._listeners:
             listener.worker_added(worker)
         return worker
@@ -182,8 +191,9 @@ class WorkerRegistry:
         worker = self._workers.pop(name, None)
         if worker is None:
             return None
-        self._refresh_shared_urls()
-        self._changed()
+        self._url_left(worker)
+        self._unindex(worker)
+        del self._order[name]
         for listener in self._listeners:
             listener.worker_removed(worker)
         return worker
@@ -212,8 +222,9 @@ class WorkerRegistry:
             self.add(spec)
             return
         if current.spec != spec:
+            before = current.serves()
             current.spec = spec
-            self._changed()
+            self._reindex(current, before)
         self.undrain(spec.name)
 
     def drain(self, name: str) -> None:
@@ -238,22 +249,33 @@ class WorkerRegistry:
 
     def set_models(self, worker: Worker, cards: Mapping[str, dict[str, Any]]) -> None:
         if dict(cards) != worker.model_cards:
+            before = worker.serves()
             worker.model_cards = dict(cards)
-            self._changed()
+            if self._workers.get(worker.name) is worker:
+                self._reindex(worker, before)
 
     def serving(self, model: str) -> list[Worker]:
-        """Workers whose model list has `model` (any state; callers filter eligibility)."""
-        if self._by_model is None:
-            self._rebuild()
-        assert self._by_model is not None
-        return self._by_model.get(model, [])
+        """Workers whose model list has `model`, in registry order (any state; callers filter
+        eligibility). The registry's own list: read it, do not change it."""
+        members = self._model_workers.get(model)
+        return members.workers if members is not None else []
 
     def route(self, model: str) -> ModelRoute | None:
         """Resolve a request's model name; None when no worker serves it."""
-        if self._routes is None:
-            self._rebuild()
-        assert self._routes is not None
-        return self._routes.get(model)
+        route = self._routes.get(model)
+        if route is None:
+            serving = self.serving(model)
+            if not serving:
+                return None
+            # the first worker in registry order that serves it says what it is
+            card = serving[0].model_cards.get(model, {})
+            parent = card.get("parent")
+            if isinstance(parent, str) and parent and parent != model:
+                route = ModelRoute(name=model, base=parent, lora_name=model)
+            else:
+                route = ModelRoute(name=model, base=model, lora_name="")
+            self._routes[model] = route
+        return route
 
     def model_cards(self) -> list[dict[str, Any]]:
         """One card per served model id across the fleet (first worker's card wins)."""
@@ -268,28 +290,63 @@ class WorkerRegistry:
                     }
         return list(cards.values())
 
-    def _changed(self) -> None:
-        self._by_model = None
-        self._routes = None
+    def _reindex(self, worker: Worker, before: set[str]) -> None:
+        """The worker served `before` and serves what it says now: move it between models
+        and drop the routes of every model it touched (its cards may have changed them)."""
+        now = worker.serves()
+        order = self._order[worker.name]
+        for model in before - now:
+            self._leave(model, worker, order)
+        for model in now - before:
+            self._model_workers.setdefault(model, _Members()).join(worker, order)
+        for model in before | now:
+            self._routes.pop(model, None)
 
-    def _rebuild(self) -> None:
-        by_model: dict[str, list[Worker]] = {}
-        routes: dict[str, ModelRoute] = {}
-        for worker in self._workers.values():
-            for name in worker.serves():
-                by_model.setdefault(name, []).append(worker)
-                card = worker.model_cards.get(name, {})
-                parent = card.get("parent")
-                if isinstance(parent, str) and parent and parent != name:
-                    routes.setdefault(name, ModelRoute(name=name, base=parent, lora_name=name))
-                else:
-                    routes.setdefault(name, ModelRoute(name=name, base=name, lora_name=""))
-        self._by_model = by_model
-        self._routes = routes
+    def _unindex(self, worker: Worker) -> None:
+        order = self._order[worker.name]
+        for model in worker.serves():
+            self._leave(model, worker, order)
+            self._routes.pop(model, None)
 
-    def _refresh_shared_urls(self) -> None:
-        counts: dict[str, int] = {}
-        for w in self._workers.values():
-            counts[w.url] = counts.get(w.url, 0) + 1
-        for w in self._workers.values():
-            w.url_shared = counts[w.url] > 1
+    def _leave(self, model: str, worker: Worker, order: int) -> None:
+        members = self._model_workers.get(model)
+        if members is not None and members.leave(worker, order) == 0:
+            del self._model_workers[model]
+
+    def _url_joined(self, worker: Worker) -> None:
+        same = self._by_url.setdefault(worker.url, [])
+        same.append(worker)
+        if len(same) > 1:
+            for w in same:
+                w.url_shared = True
+
+    def _url_left(self, worker: Worker) -> None:
+        same = self._by_url.get(worker.url, [])
+        if worker in same:
+            same.remove(worker)
+        if len(same) == 1:
+            same[0].url_shared = False
+        elif not same:
+            self._by_url.pop(worker.url, None)
+
+
+@dataclass(slots=True)
+class _Members:
+    """One model's workers in registry order, with their order numbers beside them: a
+    worker joins or leaves by bisection (a memmove, no pass in Python)."""
+
+    orders: list[int] = field(default_factory=list)
+    workers: list[Worker] = field(default_factory=list)
+
+    def join(self, worker: Worker, order: int) -> None:
+        at = bisect_left(self.orders, order)
+        self.orders.insert(at, order)
+        self.workers.insert(at, worker)
+
+    def leave(self, worker: Worker, order: int) -> int:
+        """Drop the worker if it is a member; returns how many remain."""
+        at = bisect_left(self.orders, order)
+        if at < len(self.orders) and self.workers[at] is worker:
+            del self.orders[at]
+            del self.workers[at]
+        return len(self.workers)

@@ -153,18 +153,19 @@ class LoadModel:
             kv = None
             m = load.engine
             if m is not None and now - m.at <= stale:
-                others_total, others_waiting = load.others(now, stale)
+                others_total, others_waiting = m.others  # `WorkerLoad.others`, not stale
                 queued += round(others_waiting * mean_prompt)
                 running += others_total
                 kv = m.kv_usage
-            r = get(worker.name)
+            name = worker.spec.name
+            r = get(name)
             if r is None:
                 uncached = n_tokens
             elif r >= n_tokens:
                 uncached = 0
             else:
                 uncached = n_tokens - r
-            tier = tiers.get(worker.name) if tiers else None
+            tier = tiers.get(name) if tiers else None
             if tier is not None:  # loaded from a lower tier: not prefilled
                 uncached = max(0, uncached - tier.total)
             step_wait = load.steps.expected_wait(now, running > 0) if step_weight else 0.0

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Mapping, Sequence
+from operator import attrgetter
 from typing import ClassVar
 
 from kvroute.router.config import PolicyConfig
@@ -168,7 +169,9 @@ class TTFTPolicy(Policy):
     def pick(self, cands: list[Candidate], req: RouteInput) -> tuple[Candidate, str, str]:
         best_reuse = max((c.reuse or 0 for c in cands), default=0)
         # lower tiers count as evidence: a prompt held only in CPU memory is not cold
-        best_cached = max(best_reuse, max((_cached(c) for c in cands), default=0))
+        best_cached = best_reuse
+        if req.tiers:  # without tiers no candidate loads anything from one
+            best_cached = max(best_reuse, max((_cached(c) for c in cands), default=0))
         if best_cached <= 0 and not any(c.affinity for c in cands):
             return self._cold(cands, req)
 
@@ -177,11 +180,11 @@ class TTFTPolicy(Policy):
             # different orders (discovery events arrive in any order) choose alike.
             return (c.cost_s, -(c.reuse or 0), c.running, c.name)
 
-        best = min(cands, key=key)
+        best = _least(cands, key)
         if best.saturated and self.cfg.spill:
             calm = [c for c in cands if not c.saturated]
             if calm:
-                alt = min(calm, key=key)
+                alt = _least(calm, key)
                 return (
                     alt,
                     SPILL,
@@ -221,6 +224,18 @@ class TTFTPolicy(Policy):
                 return chosen, SESSION, "no cache evidence; session affinity (bounded load)"
         chosen = least_load(calm, self.rotation)
         return chosen, LEAST_LOAD, "no cache evidence and no session key; least load"
+
+
+def _least(
+    cands: list[Candidate], key: Callable[[Candidate], tuple[float, int, int, str]]
+) -> Candidate:
+    """`min(cands, key=key)` for a key that starts with `cost_s`: the least cost is found at
+    C speed and only the candidates tied on it build the full key (costs are never NaN)."""
+    least = min(map(_COST, cands))
+    return min((c for c in cands if c.cost_s == least), key=key)
+
+
+_COST = attrgetter("cost_s")
 
 
 def _least_displacing(cands: list[Candidate], slack_s: float) -> list[Candidate]:

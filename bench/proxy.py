@@ -7,6 +7,9 @@ Policies:
 
 - ``round_robin``: next engine in turn.
 - ``least_load``: fewest requests in flight through this proxy.
+- ``session_hash``: session affinity, a consistent (rendezvous) hash of the conversation's id
+  (the ``x-session-id`` header, else the body's ``user``) over the engines, so every turn of
+  a conversation goes to one engine whatever its load; requests without either go round robin.
 - ``prefix``: a naive approximate prefix router (what text-based routers do): it hashes the
   request text in 256-character chunks, remembers which engine it sent each chunk chain
   to (bounded LRU), and sends a request to the engine with the longest remembered match
@@ -15,9 +18,13 @@ Policies:
   now (the simulated engine's probe endpoint, exact by construction), and adds what each
   engine is about to hold: the longest 16-token-block common prefix with the requests in
   flight on it (exact token ids from the engine's ``/tokenize``), so simultaneous requests
-  that share a new prefix go together. It picks the largest; ties go to the fewest requests
-  in flight. A yardstick for cache reuse, not a policy a deployment could run (one probe per
-  engine per request).
+  that share a new prefix go together. It picks the largest, and treats as tied every engine
+  whose reuse falls short of the largest by less than ``--tie-share`` of the prompt (default
+  0.1): ties go to the fewest requests in flight. Without that margin a prefix every prompt
+  shares (one system block) held by one busy engine, and by its requests in flight, outbids
+  the idle engines for every request, and that one engine takes the whole trace.
+  A yardstick for cache reuse, not a policy a deployment could run (one probe per engine per
+  request).
 
 ``python -m bench.proxy --policy NAME --engines URL,URL --port P``
 """
@@ -40,7 +47,8 @@ from aiohttp import web
 
 log = logging.getLogger("bench.proxy")
 
-POLICIES = ("round_robin", "least_load", "prefix", "oracle")
+POLICIES = ("round_robin", "least_load", "prefix", "oracle", "session_hash")
+SESSION_HEADER = "x-session-id"
 CHUNK_CHARS = 256
 PROBE_PATH = "/sim/probe"
 
@@ -118,6 +126,23 @@ def common_blocks(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+def session_engine(key: str, n_engines: int) -> int:
+    """Rendezvous hashing: the engine with the highest hash of (key, engine index). Removing an
+    engine moves only its own sessions."""
+    return max(range(n_engines), key=lambda i: xxhash.xxh3_64_intdigest(f"{i}/{key}".encode()))
+
+
+def oracle_pick(
+    scores: Sequence[int], inflight: Sequence[int], prompt_tokens: int, tie_share: float
+) -> int:
+    """The oracle's engine: among those whose score is within ``tie_share`` of the prompt of
+    the best score, the one with the fewest requests in flight (then the lowest index)."""
+    top = max(scores)
+    margin = tie_share * prompt_tokens
+    tied = [i for i, s in enumerate(scores) if top - s <= margin]
+    return min(tied, key=lambda i: (inflight[i], i))
+
+
 @dataclass
 class ProxyState:
     engines: list[str]
@@ -130,6 +155,7 @@ class ProxyState:
     pending: list[dict[int, list[int]]]  # per engine: request serial -> block keys in flight
     serial: itertools.count[int]
     probe_failures: int = 0
+    tie_share: float = 0.1
 
     def least_loaded(self, among: Sequence[int] | None = None) -> int:
         cands = list(range(len(self.engines))) if among is None else list(among)
@@ -178,11 +204,13 @@ class ProxyState:
         for i in range(n):
             ahead = max((common_blocks(keys, p) for p in self.pending[i].values()), default=0)
             scores.append(max(hits[i], min(ahead * BLOCK, cap)))
-        top = max(scores)
-        return self.least_loaded([i for i in range(n) if scores[i] == top]), keys
+        return oracle_pick(scores, self.inflight, len(ids), self.tie_share), keys
 
-    async def choose(self, body: dict[str, Any]) -> int:
+    async def choose(self, body: dict[str, Any], session: str | None = None) -> int:
         n = len(self.engines)
+        if self.policy == "session_hash":
+            key = session or (body.get("user") if isinstance(body.get("user"), str) else None)
+            return session_engine(key, n) if key else next(self.rr) % n
         if self.policy == "round_robin":
             return next(self.rr) % n
         if self.policy == "least_load":
@@ -215,7 +243,7 @@ async def _proxy(request: web.Request) -> web.StreamResponse:
         i, keys = await st.choose_oracle(body)
         st.pending[i][serial] = keys
     else:
-        i = await st.choose(body)
+        i = await st.choose(body, request.headers.get(SESSION_HEADER))
     st.inflight[i] += 1
     try:
         async with st.http.request(
@@ -245,7 +273,9 @@ async def _health(request: web.Request) -> web.Response:
     return web.Response(text="ok")
 
 
-def make_app(engines: Sequence[str], policy: str, threshold: float = 0.3) -> web.Application:
+def make_app(
+    engines: Sequence[str], policy: str, threshold: float = 0.3, tie_share: float = 0.1
+) -> web.Application:
     """The proxy as an aiohttp app (the HTTP client is created on start-up)."""
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; choose from {POLICIES}")
@@ -268,6 +298,7 @@ def make_app(engines: Sequence[str], policy: str, threshold: float = 0.3) -> web
             table=PrefixTable(),
             pending=[{} for _ in engines],
             serial=itertools.count(),
+            tie_share=tie_share,
         )
 
     async def on_cleanup(app: web.Application) -> None:
@@ -287,9 +318,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--threshold", type=float, default=0.3, help="prefix: min match ratio")
+    p.add_argument(
+        "--tie-share",
+        type=float,
+        default=0.1,
+        help="oracle: reuse within this share of the prompt (0-1) of the best counts as a tie, "
+        "broken by requests in flight",
+    )
     args = p.parse_args(argv)
+    if not 0 <= args.tie_share <= 1:
+        p.error("--tie-share must be in [0, 1]")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    app = make_app(args.engines.split(","), args.policy, args.threshold)
+    app = make_app(args.engines.split(","), args.policy, args.threshold, args.tie_share)
     web.run_app(app, host=args.host, port=args.port, print=None, access_log=None)
     return 0
 

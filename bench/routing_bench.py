@@ -12,6 +12,11 @@ the oracle (asks every engine for its true hit before each request); and the ben
 naive text-prefix and round-robin proxies.
 
 ``--smoke`` runs a two-engine fleet, a short trace and two routers in well under a minute.
+
+``--workload pool-pressure`` replays the ``pool-pressure`` preset (long conversations only)
+with ``--clients`` closed-loop clients (default 64), each one conversation at a time, on
+engines whose pools hold ``--pool-share`` (default 0.5) of the live conversations' tokens:
+the placement-under-memory-pressure benchmark (``bench/pool_pressure.py`` reports it).
 """
 
 from __future__ import annotations
@@ -55,7 +60,7 @@ from kvroute.testbed.sim_fleet import Fleet, FleetError, delta, scrape, start_fl
 from kvroute.testbed.stats import summarize
 from kvroute.testbed.textgen import TokenSpace
 from kvroute.testbed.trace import TraceRequest, from_mooncake, read_jsonl, read_mooncake
-from kvroute.testbed.workload import PRESETS, describe, generate
+from kvroute.testbed.workload import PRESETS, describe, generate, live_working_set_tokens
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # The simulated GPU runs 5x slower than the modelled H100 so that its time, not the CPU noise
@@ -63,6 +68,11 @@ RESULTS = Path(__file__).resolve().parent / "results"
 # fill and evict under the default trace, so where a prefix lives matters.
 FULL_FLEET_ARGS = ("--speed", "0.2", "--num-blocks", "2048")
 SMOKE_FLEET_ARGS = ("--speed", "1.0", "--num-blocks", "2048")
+# Pool pressure: the engines at half the modelled GPU's speed, so re-prefilling lost history
+# costs time the queues feel; the pools are sized from the trace (``pressure_fleet_args``).
+PRESSURE_SPEED = "0.5"
+PRESSURE_CLIENTS = 64
+BLOCK_TOKENS = 16  # the simulated engines' KV block size
 PROFILES = ("dense", "swa", "mamba")
 FULL_ROUTERS = (
     "kvroute",
@@ -76,6 +86,9 @@ FULL_ROUTERS = (
     "oracle",
 )
 SMOKE_ROUTERS = ("kvroute", "kvroute-round-robin")
+# Routers another branch adds: named here, they are skipped (an "unavailable" row that says
+# why) when this checkout does not define them, instead of failing the whole run.
+ANNOUNCED_ROUTERS = {"kvroute-placement": "kvroute with issue 33's placement term"}
 # Until the router lands, the smoke run compares the bench's own proxies.
 SMOKE_FALLBACK = ("bench-prefix", "bench-round-robin")
 
@@ -169,6 +182,12 @@ def _fleet_args(cfg: BenchConfig, spec: RouterSpec) -> tuple[str, ...]:
 
 def run_router(cfg: BenchConfig, profile: str, name: str, run_dir: Path) -> dict[str, Any]:
     """One router on a fresh fleet: the result row (status ok / unavailable / failed)."""
+    if name not in ROUTERS:
+        reason = (
+            f"{name} ({ANNOUNCED_ROUTERS.get(name, 'unknown')}) is not defined in this checkout"
+        )
+        print(f"[{profile}] {name}: skipped: {reason}", file=sys.stderr)
+        return {"name": name, "label": name, "status": "unavailable", "reason": reason}
     spec = ROUTERS[name]
     row: dict[str, Any] = {"name": name, "label": spec.label, "status": "ok"}
     peers = find_peers()
@@ -234,7 +253,9 @@ def run_profile(cfg: BenchConfig, profile: str, command: str) -> dict[str, Any]:
     rows = [run_router(cfg, profile, name, run_dir) for name in cfg.routers]
     info = describe(cfg.trace)
     mode = (
-        f"closed loop, {cfg.load.concurrency} in flight"
+        f"closed loop, {cfg.load.clients} clients, one conversation each at a time"
+        if cfg.load.clients
+        else f"closed loop, {cfg.load.concurrency} in flight"
         if cfg.load.time_scale is None
         else f"open loop at {cfg.load.time_scale}x trace time"
         + (f", at most {cfg.load.concurrency} in flight" if cfg.load.concurrency else "")
@@ -270,9 +291,23 @@ def run_profile(cfg: BenchConfig, profile: str, command: str) -> dict[str, Any]:
     return result
 
 
+def pressure_fleet_args(
+    trace: Sequence[TraceRequest], clients: int, workers: int, pool_share: float
+) -> tuple[str, ...]:
+    """Fleet options for the pool-pressure workload: each engine's pool holds ``pool_share`` of
+    its part of the live working set (``live_working_set_tokens`` over ``workers``)."""
+    per_worker = live_working_set_tokens(trace, clients) / max(1, workers)
+    blocks = max(64, round(pool_share * per_worker / BLOCK_TOKENS))
+    return ("--speed", PRESSURE_SPEED, "--num-blocks", str(blocks))
+
+
 def build_config(args: argparse.Namespace) -> BenchConfig:
     space = TokenSpace.discover()
     notes: list[str] = []
+    if args.workload == "pool-pressure" and (args.mooncake or args.trace or args.preset):
+        raise SystemExit("--workload pool-pressure generates its own trace (no --trace/--preset)")
+    if args.workload == "pool-pressure":
+        args.preset = "pool-pressure"
     if args.mooncake:
         trace = from_mooncake(
             read_mooncake(args.mooncake), space, time_scale=1.0, max_output_tokens=256
@@ -302,16 +337,23 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
             notes.append("kvroute router not available: smoke compares the bench's proxies")
     else:
         routers = FULL_ROUTERS
-    unknown = [r for r in routers if r not in ROUTERS]
+    unknown = [r for r in routers if r not in ROUTERS and r not in ANNOUNCED_ROUTERS]
     if unknown:
         raise SystemExit(f"unknown routers {unknown}; known: {sorted(ROUTERS)}")
     profiles = PROFILES if args.profile == "all" else (args.profile,)
     load = load_config(args)
-    fleet_args = (
-        tuple(shlex.split(args.fleet_args))
-        if args.fleet_args is not None
-        else (SMOKE_FLEET_ARGS if args.smoke else FULL_FLEET_ARGS)
-    )
+    workers = args.workers or (2 if args.smoke else 4)
+    if args.fleet_args is not None:
+        fleet_args = tuple(shlex.split(args.fleet_args))
+    elif args.workload == "pool-pressure":
+        fleet_args = pressure_fleet_args(trace, load.clients or 0, workers, args.pool_share)
+        live = live_working_set_tokens(trace, load.clients or 0)
+        notes.append(
+            f"{load.clients} closed-loop clients; live working set {live / 1000:.0f}k tokens, "
+            f"pools {shlex.join(fleet_args[2:])} per engine ({args.pool_share:.0%} of it)"
+        )
+    else:
+        fleet_args = SMOKE_FLEET_ARGS if args.smoke else FULL_FLEET_ARGS
     suffix = "_smoke" if args.smoke else ""
     fleet_python = None
     if args.cache_backend == "vllm":
@@ -352,7 +394,7 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
     return BenchConfig(
         profiles=profiles,
         routers=routers,
-        workers=args.workers or (2 if args.smoke else 4),
+        workers=workers,
         smoke=args.smoke,
         trace_name=trace_name,
         trace=trace,
@@ -378,6 +420,27 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--routers", default=None, help=f"comma list of {sorted(ROUTERS)}")
     p.add_argument("--workers", type=int, default=None)
     p.add_argument("--preset", choices=sorted(PRESETS), default=None)
+    p.add_argument(
+        "--workload",
+        choices=("preset", "pool-pressure"),
+        default="preset",
+        help="pool-pressure: long conversations, closed-loop --clients, pools sized by "
+        "--pool-share (the preset of that name)",
+    )
+    p.add_argument(
+        "--clients",
+        type=int,
+        default=None,
+        help=f"closed-loop clients, one conversation each at a time (pool-pressure: default "
+        f"{PRESSURE_CLIENTS})",
+    )
+    p.add_argument(
+        "--pool-share",
+        type=float,
+        default=0.5,
+        help="pool-pressure: each engine's KV pool as a share of its part of the live working "
+        "set (0-1]",
+    )
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--duration", type=float, default=None, help="session start window (s)")
     p.add_argument("--trace", default=None, help="replay this kvroute JSONL trace")
@@ -425,8 +488,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--out-dir", default=str(RESULTS))
     args = p.parse_args(argv)
-    if args.closed and not args.concurrency:
-        p.error("--closed needs --concurrency")
+    if args.workload == "pool-pressure" and args.clients is None:
+        args.clients = PRESSURE_CLIENTS
+    if args.closed and not (args.concurrency or args.clients):
+        p.error("--closed needs --concurrency or --clients")
+    if not 0 < args.pool_share <= 1:
+        p.error("--pool-share must be in (0, 1]")
     return args
 
 
@@ -435,8 +502,9 @@ def load_config(args: argparse.Namespace) -> LoadConfig:
     return LoadConfig(
         url="",
         model="",
-        time_scale=None if args.closed else args.time_scale,
+        time_scale=None if args.closed or args.clients else args.time_scale,
         concurrency=args.concurrency,
+        clients=args.clients,
         request_timeout_s=args.timeout,
         deadline_s=args.deadline,
         # A Mooncake trace records no session ids, and its clients sent none: inventing one

@@ -6,6 +6,11 @@ by
 ignored), or both (timestamps with a concurrency cap). In every mode a session's requests
 go in order: a turn starts only after the previous turn's answer plus its think time.
 
+With ``clients`` set, the replay is a closed loop of that many clients: each client holds one
+conversation (session) at a time, sends its next turn when the previous answer arrived plus
+the think time, and takes the next waiting conversation (in trace order) once its own ended.
+At most ``clients`` conversations are live at once, however many the trace holds.
+
 Every request streams (``stream_options.include_usage``), and the record keeps the time to
 the first content chunk (TTFT), the end-to-end latency, the output tokens, and the
 engine-reported ``usage.prompt_tokens_details.cached_tokens``.
@@ -43,6 +48,7 @@ class LoadConfig:
     model: str  # used where a request names none
     time_scale: float | None = 1.0  # None = ignore timestamps (closed loop)
     concurrency: int | None = None  # None = unbounded (open loop)
+    clients: int | None = None  # closed-loop clients, one live conversation each; None = any
     think_scale: float = 1.0  # multiplies think times (0 = none)
     request_timeout_s: float = 120.0
     deadline_s: float | None = None  # no request is sent after this (from the start)
@@ -179,6 +185,7 @@ async def send_one(
 class _SessionState:
     done: dict[int, asyncio.Event] = field(default_factory=dict)
     finished_at: dict[int, float] = field(default_factory=dict)
+    seated: bool = False  # a closed-loop client holds this conversation
     answers: dict[int, str] = field(default_factory=dict)  # message index -> real answer
 
 
@@ -208,7 +215,12 @@ async def run_trace(
         predecessor[req.id] = prev_turn.get(req.session)
         prev_turn[req.session] = req.turn
 
+    last_turn: dict[str, int] = {}
+    for req in trace:
+        last_turn[req.session] = max(req.turn, last_turn.get(req.session, req.turn))
     sem = asyncio.Semaphore(cfg.concurrency) if cfg.concurrency else None
+    # asyncio.Semaphore wakes waiters in FIFO order: conversations start in trace order
+    seats = asyncio.Semaphore(cfg.clients) if cfg.clients else None
     records: list[RequestRecord] = []
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
     timeout = aiohttp.ClientTimeout(total=cfg.request_timeout_s)
@@ -219,18 +231,23 @@ async def run_trace(
     async def one(req: TraceRequest) -> None:
         st = sessions[req.session]
         scheduled = 0.0 if cfg.time_scale is None else req.t / cfg.time_scale
+        prev = predecessor[req.id]
         try:
             if cfg.deadline_s is not None and scheduled > cfg.deadline_s:
                 return  # would start after the deadline: do not wait for it
             await asyncio.sleep(max(0.0, l_origin + scheduled - loop.time()))
-            prev = predecessor[req.id]
+            if seats is not None and prev is None:
+                await seats.acquire()  # a client takes this conversation
+                st.seated = True
             if prev is not None:
                 await st.done[prev].wait()
                 ready = st.finished_at[prev] + req.think_time * cfg.think_scale
                 await asyncio.sleep(max(0.0, ready - loop.time()))
             if cfg.deadline_s is not None and loop.time() - l_origin > cfg.deadline_s:
                 return
-            rec = RequestRecord(id=req.id, session=req.session, kind=req.kind, scheduled=scheduled)
+            rec = RequestRecord(
+                id=req.id, session=req.session, kind=req.kind, scheduled=scheduled, turn=req.turn
+            )
             msgs = _with_answers(req, st) if cfg.live_history else req.messages
             if sem is not None:
                 async with sem:
@@ -245,6 +262,8 @@ async def run_trace(
         finally:
             st.finished_at[req.turn] = loop.time()
             st.done[req.turn].set()
+            if seats is not None and st.seated and req.turn == last_turn[req.session]:
+                seats.release()  # the conversation ended: its client takes the next one
 
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
         await asyncio.gather(*(one(r) for r in trace))
@@ -276,6 +295,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, default=None, help="closed loop with N in flight")
     p.add_argument("--time-scale", type=float, default=1.0, help="open loop speed-up")
     p.add_argument("--closed", action="store_true", help="ignore timestamps")
+    p.add_argument(
+        "--clients",
+        type=int,
+        default=None,
+        help="closed loop of N clients, each one conversation at a time (with --closed)",
+    )
     p.add_argument("--think-scale", type=float, default=1.0)
     p.add_argument("--timeout", type=float, default=120.0)
     p.add_argument("--deadline", type=float, default=None)
@@ -289,6 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         model=args.model,
         time_scale=None if args.closed else args.time_scale,
         concurrency=args.concurrency,
+        clients=args.clients,
         think_scale=args.think_scale,
         request_timeout_s=args.timeout,
         deadline_s=args.deadline,

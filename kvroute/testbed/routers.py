@@ -165,6 +165,12 @@ ROUTERS: dict[str, RouterSpec] = {
         RouterSpec("oracle", "oracle (true engine caches)", "proxy", "oracle"),
         RouterSpec("bench-prefix", "naive text prefix (bench proxy)", "proxy", "prefix"),
         RouterSpec("bench-round-robin", "round robin (bench proxy)", "proxy", "round_robin"),
+        RouterSpec(
+            "bench-session",
+            "session affinity, consistent hash (bench proxy)",
+            "proxy",
+            "session_hash",
+        ),
     ]
 }
 

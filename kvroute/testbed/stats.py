@@ -17,6 +17,7 @@ class RequestRecord:
     session: str
     kind: str
     scheduled: float  # when the trace wanted it sent (open loop), or 0
+    turn: int | None = None  # position in its session (0 = the first turn)
     sent: float = math.nan
     ttft: float | None = None  # first content chunk
     latency: float | None = None  # end of the response

@@ -53,6 +53,8 @@ class ChatSpec:
     user_tokens: IntRange = (20, 300)
     answer_tokens: IntRange = (40, 200)
     think_time_s: float = 3.0  # mean of an exponential
+    # a conversation ends early rather than outgrow the engines' context (prompt + answer)
+    max_context_tokens: int = 1_000_000_000
 
 
 @dataclass(frozen=True)
@@ -126,6 +128,26 @@ PRESETS: dict[str, WorkloadSpec] = {
             window_s=0.5,
             answer_tokens=(8, 16),
         ),
+    ),
+    # Many long conversations and nothing else, for closed-loop clients on pools that hold about
+    # half of what the live conversations need (``bench.routing_bench --workload pool-pressure``):
+    # 96 conversations of 10-16 turns that grow to about 5,000 tokens (the engines' 8,192-token
+    # context caps them), four tenants' system prompts shared, no salts.
+    "pool-pressure": WorkloadSpec(
+        duration_s=60.0,
+        tenants=4,
+        salted_fraction=0.0,
+        chat=ChatSpec(
+            sessions=96,
+            turns=(10, 16),
+            system_tokens=(300, 800),
+            user_tokens=(150, 400),
+            answer_tokens=(30, 80),
+            think_time_s=1.0,
+            max_context_tokens=7600,
+        ),
+        agent=AgentSpec(sessions=0),
+        burst=BurstSpec(bursts=0),
     ),
 }
 
@@ -222,11 +244,14 @@ class _Builder:
             think = 0.0 if turn == 0 else rng.expovariate(1.0 / c.think_time_s)
             t += think
             n_user = _uniform_int(rng, c.user_tokens)
+            n_answer = _uniform_int(rng, c.answer_tokens)
+            # The chat template adds a few tokens per message; keep room for them.
+            if n_tokens + n_user + n_answer + 8 * (len(messages) + 1) > c.max_context_tokens:
+                break
             messages.append(
                 {"role": "user", "content": self.space.content((session, turn, "user"), n_user)}
             )
             n_tokens += n_user
-            n_answer = _uniform_int(rng, c.answer_tokens)
             out.append(
                 self._request(
                     session=session,
@@ -330,6 +355,20 @@ def generate(spec: WorkloadSpec, space: TokenSpace) -> list[TraceRequest]:
         out.extend(b.burst(i))
     out.sort(key=lambda r: (r.t, r.session, r.turn))
     return out
+
+
+def live_working_set_tokens(requests: Sequence[TraceRequest], clients: int) -> float:
+    """The prompt tokens that ``clients`` closed-loop clients' live conversations hold at a
+    time, on average: ``clients`` times the mean, over conversations, of a conversation's
+    prompt length averaged over its turns (each turn taken to last as long as any other)."""
+    turns: dict[str, list[int]] = {}
+    for r in requests:
+        turns.setdefault(r.session, []).append(r.prompt_tokens)
+    if not turns or clients <= 0:
+        return 0.0
+    per_conversation = [sum(ts) / len(ts) for ts in turns.values()]
+    live = min(clients, len(per_conversation))
+    return live * sum(per_conversation) / len(per_conversation)
 
 
 def spec_params(spec: WorkloadSpec) -> dict[str, Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Iterator
 from dataclasses import replace
 
@@ -122,3 +123,35 @@ def test_records_name_the_engine_that_answered(trace: list[TraceRequest]) -> Non
         recs = _run(few, LoadConfig(url=unnamed.url, model=MODEL, time_scale=None, concurrency=3))
     assert all(r.ok for r in recs) and [r.worker for r in recs] == [None] * len(few)
     assert all(r.forward_s is None and r.return_s is None for r in recs)
+
+
+def test_closed_loop_clients_hold_one_conversation_each(
+    engine: SimEngineThread, trace: list[TraceRequest]
+) -> None:
+    """With N clients at most N conversations are live at once (from a conversation's first
+    send to its last answer), every turn still waits for the previous answer, and waiting
+    conversations start in trace order."""
+    chats = [r for r in trace if r.kind == "chat"]
+    cfg = LoadConfig(url=engine.url, model=MODEL, time_scale=None, clients=2, think_scale=0.1)
+    recs = _run(chats, cfg)
+    assert all(r.ok for r in recs) and len(recs) == len(chats)
+    assert all(r.turn == int(r.id.rsplit("-t", 1)[1]) for r in recs)
+    spans: dict[str, list[float]] = {}
+    for r in recs:
+        span = spans.setdefault(r.session, [math.inf, -math.inf])
+        span[0] = min(span[0], r.sent)
+        span[1] = max(span[1], r.sent + (r.latency or 0.0))
+    events = sorted([(a, 1) for a, _ in spans.values()] + [(b, -1) for _, b in spans.values()])
+    live = peak = 0
+    for _, d in events:
+        live += d
+        peak = max(peak, live)
+    assert peak == 2
+    first_in_trace = [r.session for r in chats if r.turn == 0]
+    first_sent = sorted(spans, key=lambda s: spans[s][0])
+    assert first_sent[2:] == first_in_trace[2:]  # the first two start together
+    by_id = {r.id: r for r in recs}
+    for req in chats:
+        if req.turn > 0:
+            prev = by_id[f"{req.session}-t{req.turn - 1:02d}"]
+            assert by_id[req.id].sent >= prev.sent + (prev.latency or 0.0)

@@ -24,7 +24,13 @@ from kvroute.testbed.trace import (
     read_mooncake,
     write_jsonl,
 )
-from kvroute.testbed.workload import PRESETS, WorkloadSpec, generate
+from kvroute.testbed.workload import (
+    PRESETS,
+    ChatSpec,
+    WorkloadSpec,
+    generate,
+    live_working_set_tokens,
+)
 
 
 @pytest.fixture(scope="module")
@@ -226,3 +232,56 @@ def test_spec_defaults_are_sane() -> None:
     spec = WorkloadSpec()
     assert 0 <= spec.salted_fraction <= 1
     assert spec.agent.tool_output_tokens[0] >= 100
+
+
+def test_pool_pressure_preset_is_long_conversations_within_the_context(
+    space: TokenSpace, tok: SimTokenizer
+) -> None:
+    reqs = generate(PRESETS["pool-pressure"], space)
+    spec = PRESETS["pool-pressure"].chat
+    assert {r.kind for r in reqs} == {"chat"} and all(r.cache_salt is None for r in reqs)
+    turns: dict[str, list[TraceRequest]] = {}
+    for r in reqs:
+        turns.setdefault(r.session, []).append(r)
+    assert len(turns) == spec.sessions
+    for rs in turns.values():
+        assert len(rs) <= spec.turns[1]
+        # a conversation stops early only where its next turn would outgrow the context
+        last = max(rs, key=lambda r: r.turn)
+        assert last.prompt_tokens + last.max_tokens <= spec.max_context_tokens
+    longest = max(reqs, key=lambda r: r.prompt_tokens)
+    assert 5000 < longest.prompt_tokens < spec.max_context_tokens
+    # what the engine's chat template makes of it still fits its 8,192-token context
+    rendered = tok.chat_ids(longest.messages or [])
+    assert len(rendered) + longest.max_tokens <= 8192
+    assert sum(len(rs) >= spec.turns[0] for rs in turns.values()) > len(turns) // 2
+
+
+def test_chat_context_cap_ends_a_conversation_early(space: TokenSpace) -> None:
+    chat = ChatSpec(sessions=3, turns=(12, 12), user_tokens=(300, 300), answer_tokens=(50, 50))
+    spec = WorkloadSpec(chat=chat, agent=replace(WorkloadSpec().agent, sessions=0))
+    spec = replace(spec, burst=replace(spec.burst, bursts=0))
+    full = generate(spec, space)
+    capped = generate(replace(spec, chat=replace(chat, max_context_tokens=2500)), space)
+    assert len(full) == 36
+    assert 0 < len(capped) < len(full)
+    assert all(r.prompt_tokens + r.max_tokens <= 2500 for r in capped)
+    # the turns kept are the same requests as without the cap
+    assert {r.id: r for r in full}.keys() >= {r.id for r in capped}
+    assert all(r == next(f for f in full if f.id == r.id) for r in capped)
+
+
+def test_live_working_set_is_clients_times_the_mean_conversation() -> None:
+    def req(session: str, turn: int, tokens: int) -> TraceRequest:
+        return TraceRequest(
+            id=f"{session}-{turn}", t=0.0, session=session, turn=turn, kind="chat", model=None,
+            messages=None, prompt="x", max_tokens=1, cache_salt=None, think_time=0.0,
+            user=None, prompt_tokens=tokens,
+        )  # fmt: skip
+
+    reqs = [req("a", 0, 100), req("a", 1, 300), req("b", 0, 1000)]
+    # a averages 200 tokens over its turns, b 1000: a client holds 600 on average
+    assert live_working_set_tokens(reqs, 1) == pytest.approx(600)
+    assert live_working_set_tokens(reqs, 2) == pytest.approx(1200)
+    assert live_working_set_tokens(reqs, 5) == pytest.approx(1200)  # only two conversations
+    assert live_working_set_tokens([], 4) == 0.0

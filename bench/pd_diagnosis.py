@@ -20,30 +20,16 @@ Markdown:
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 from bench.report import markdown_table
-from kvroute.testbed.stats import percentile
+from kvroute.testbed.stats import percentile, read_records
 
 PARTS = ("forward_s", "parse_s", "queue_s", "prefill_s", "return_s")
 PART_LABELS = ("prefill phase", "decode reads (pull)", "decode queue", "decode first step", "back")
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """The rows of a JSONL file, or of its gzipped copy (``path`` + ``.gz``); [] if neither."""
-    packed = path.with_name(path.name + ".gz")
-    if path.exists():
-        text = path.read_text("utf-8")
-    elif packed.exists():
-        text = gzip.decompress(packed.read_bytes()).decode("utf-8")
-    else:
-        return []
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
 def run_dirs(results: Path) -> list[Path]:
@@ -123,8 +109,8 @@ def decisions_summary(decisions: Iterable[dict[str, Any]]) -> list[str]:
 def report(dirs: Sequence[Path]) -> str:
     """The Markdown diagnosis of these P/D run folders."""
     names = sorted({p.name.split(".")[0] for d in dirs for p in d.glob("*.records.jsonl*")})
-    records = {n: [r for d in dirs for r in read_jsonl(d / f"{n}.records.jsonl")] for n in names}
-    decisions = [x for d in dirs for x in read_jsonl(d / "kvroute.decisions.jsonl")]
+    records = {n: [r for d in dirs for r in read_records(d / f"{n}.records.jsonl")] for n in names}
+    decisions = [x for d in dirs for x in read_records(d / "kvroute.decisions.jsonl")]
     lines = [f"# Prefill/decode diagnosis ({len(dirs)} runs)", "", *parts_table(records), ""]
     lines += [*spread_table(records), ""]
     if decisions:

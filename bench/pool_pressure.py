@@ -21,7 +21,6 @@ its interval, "lower"/"higher" only when the interval excludes zero.
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import random
 from collections.abc import Callable, Sequence
@@ -30,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.report import markdown_table
-from kvroute.testbed.stats import percentile
+from kvroute.testbed.stats import percentile, read_records
 
 BLOCK_TOKENS = 16
 LEVEL = 0.95
@@ -49,17 +48,6 @@ class Turn:
 
 Cluster = list[Turn]  # one conversation of one seed
 Stat = Callable[[Sequence[Turn]], float | None]
-
-
-def _read_records(path: Path) -> list[dict[str, Any]]:
-    packed = path.with_name(path.name + ".gz")
-    if path.exists():
-        text = path.read_text("utf-8")
-    elif packed.exists():
-        text = gzip.decompress(packed.read_bytes()).decode("utf-8")
-    else:
-        return []
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
 def conversations(records: Sequence[dict[str, Any]]) -> dict[str, Cluster]:
@@ -172,7 +160,7 @@ def load_runs(root: Path, profile: str) -> dict[str, dict[tuple[int, str], Clust
         run_dir = seed_dir / "runs" / f"routing_{profile}"
         names = {p.name.split(".records.jsonl")[0] for p in run_dir.glob("*.records.jsonl*")}
         for name in sorted(names):
-            convs = conversations(_read_records(run_dir / f"{name}.records.jsonl"))
+            convs = conversations(read_records(run_dir / f"{name}.records.jsonl"))
             clusters = out.setdefault(name, {})
             for session, turns in convs.items():
                 clusters[(seed, session)] = turns

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import gzip
+import json
 import math
 import random
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 
@@ -228,3 +231,16 @@ def summarize(records: Sequence[RequestRecord], slo_ttft_s: float) -> Summary:
         tpot_p50=_r(percentile(tpots, 50), 5),
         tpot_p99=_r(percentile(tpots, 99), 5),
     )
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """The rows of a records JSONL file, or of its gzipped copy (``path`` + ``.gz``); [] if
+    neither exists."""
+    packed = path.with_name(path.name + ".gz")
+    if path.exists():
+        text = path.read_text("utf-8")
+    elif packed.exists():
+        text = gzip.decompress(packed.read_bytes()).decode("utf-8")
+    else:
+        return []
+    return [json.loads(line) for line in text.splitlines() if line.strip()]

@@ -143,9 +143,6 @@ FULL_ROUTERS = (
 # --pd: the routers that run a request's prefill and decode on different engines
 PD_ROUTERS = ("kvroute", "vllm-router-pd", "smg-pd", "pd-round-robin")
 SMOKE_ROUTERS = ("kvroute", "kvroute-round-robin")
-# Routers another branch adds: named here, they are skipped (an "unavailable" row that says
-# why) when this checkout does not define them, instead of failing the whole run.
-ANNOUNCED_ROUTERS = {"kvroute-placement": "kvroute with issue 33's placement term"}
 # Until the router lands, the smoke run compares the bench's own proxies.
 SMOKE_FALLBACK = ("bench-prefix", "bench-round-robin")
 
@@ -262,12 +259,6 @@ def _fleet_args(cfg: BenchConfig, spec: RouterSpec) -> tuple[str, ...]:
 
 def run_router(cfg: BenchConfig, profile: str, name: str, run_dir: Path) -> dict[str, Any]:
     """One router on a fresh fleet: the result row (status ok / unavailable / failed)."""
-    if name not in ROUTERS:
-        reason = (
-            f"{name} ({ANNOUNCED_ROUTERS.get(name, 'unknown')}) is not defined in this checkout"
-        )
-        print(f"[{profile}] {name}: skipped: {reason}", file=sys.stderr)
-        return {"name": name, "label": name, "status": "unavailable", "reason": reason}
     spec = ROUTERS[name]
     row: dict[str, Any] = {"name": name, "label": spec.label, "status": "ok"}
     peers = find_peers()
@@ -429,7 +420,7 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
             notes.append("kvroute router not available: smoke compares the bench's proxies")
     else:
         routers = FULL_ROUTERS
-    unknown = [r for r in routers if r not in ROUTERS and r not in ANNOUNCED_ROUTERS]
+    unknown = [r for r in routers if r not in ROUTERS]
     if unknown:
         raise SystemExit(f"unknown routers {unknown}; known: {sorted(ROUTERS)}")
     check_pd_routers(routers, pd)

@@ -20,14 +20,10 @@ from bench.pool_pressure import (
     report,
 )
 from bench.routing_bench import (
-    BenchConfig,
     build_config,
     parse_args,
     pressure_fleet_args,
-    run_router,
 )
-from kvroute.testbed.loadgen import LoadConfig
-from kvroute.testbed.routers import ROUTERS
 from kvroute.testbed.workload import live_working_set_tokens
 
 
@@ -114,20 +110,3 @@ def test_pool_pressure_harness_options() -> None:
         build_config(parse_args(["--workload", "pool-pressure", "--preset", "smoke"]))
     with pytest.raises(SystemExit):  # a misspelt router still fails the run at once
         build_config(parse_args(["--routers", "kvroute-placment"]))
-
-
-def test_an_announced_router_this_checkout_lacks_is_skipped_with_a_reason(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # as in a checkout without the placement branch, whether or not this one has it
-    monkeypatch.delitem(ROUTERS, "kvroute-placement", raising=False)
-    cfg = build_config(parse_args(["--routers", "kvroute-placement,oracle", "--smoke"]))
-    assert cfg.routers == ("kvroute-placement", "oracle")
-    cfg = BenchConfig(
-        profiles=("dense",), routers=("kvroute-placement",), workers=1, smoke=True,
-        trace_name="t", trace=[], load=LoadConfig(url="", model=""), slo_ttft_s=1.0,
-        out_dir=tmp_path,
-    )  # fmt: skip
-    row = run_router(cfg, "dense", "kvroute-placement", tmp_path)
-    assert row["status"] == "unavailable" and "not defined in this checkout" in row["reason"]
-    assert not (tmp_path / "logs").exists()  # nothing was started

@@ -11,6 +11,7 @@ import socket
 from typing import Any
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvroute.router.index_shards import wire
 from kvroute.router.index_shards.client import ShardedIndexView
@@ -158,5 +159,44 @@ def test_workers_removed_and_added_through_the_admin_api_are_followed() -> None:
             resync = await r.client.post(f"/admin/workers/{home}/resync", headers=r.admin())
             assert resync.status_code == 200
             await until(lambda: shard_status(path)[home].snapshots == 2, timeout=20)
+
+    asyncio.run(go())
+
+
+def event_metrics(text: str) -> tuple[float, float]:
+    """The router's kvroute_event_lag_seconds count and its kvroute_event_batches total."""
+    lag = batches = 0.0
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == "kvroute_event_lag_seconds_count":
+                lag += s.value
+            elif s.name == "kvroute_event_batches_total":
+                batches += s.value
+    return lag, batches
+
+
+def test_the_shards_event_lag_is_on_the_routers_metrics() -> None:
+    async def go() -> None:
+        async with sim_fleet(2, router=SHARDS) as r, httpx.AsyncClient() as c:
+
+            async def scraped() -> tuple[float, float]:
+                return event_metrics((await c.get(r.url + "/metrics")).text)
+
+            async def lag_beyond(than: float) -> float:
+                """The lag count once above `than` (the shards report at each status poll)."""
+                for _ in range(200):
+                    if (n := (await scraped())[0]) > than:
+                        return n
+                    await asyncio.sleep(0.05)
+                return n
+
+            await r.chat([{"role": "user", "content": "First conversation. " * 30}])
+            first = await lag_beyond(0)
+            assert first > 0
+            for i in range(3):
+                await r.chat([{"role": "user", "content": f"Conversation {i}. " * 30}])
+            assert await lag_beyond(first) > first
+            lag, batches = await scraped()
+            assert batches >= lag  # one lag observation per batch applied (with a timestamp)
 
     asyncio.run(go())

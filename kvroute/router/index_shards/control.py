@@ -16,7 +16,7 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
@@ -25,6 +25,7 @@ from kvroute.router.fleet.event_subscriptions import CONNECTING, LIVE, StreamSta
 from kvroute.router.fleet.workers import Worker
 from kvroute.router.index_shards import wire
 from kvroute.router.index_shards.client import ShardedIndexView
+from kvroute.router.ops.metrics import SeriesKey
 from kvroute.router.routing.index_view import IndexStats
 
 log = logging.getLogger("kvroute.router.index_shards")
@@ -48,6 +49,10 @@ class _Control:
         self.down: frozenset[str] = frozenset()  # from the latest status answer
         self.answered = False  # a status answer since this connection opened
         self.generation: int | None = None
+        # the shard's event series: as of its latest answer, and summed over its earlier
+        # generations (a restarted shard counts from zero; the router's counters must not)
+        self.series: dict[SeriesKey, list[float]] = {}
+        self.base: dict[SeriesKey, list[float]] = {}
 
     def send(self, message: wire.ToShard) -> None:
         w = self.writer
@@ -110,6 +115,7 @@ class ShardedEvents:
         if c.workers.pop(worker.name, None) is None:
             return
         c.unconfirmed.discard(worker.name)
+        c.base = {k: v for k, v in c.base.items() if worker.name not in k[1]}
         self._status.pop(worker.name, None)
         self._view.note_stats(worker.name, None)
         c.send(wire.Unfollow([worker.name]))
@@ -148,6 +154,16 @@ class ShardedEvents:
                 continue
             out |= c.unconfirmed
             out.update(n for n in self._view.down[c.shard] if n in c.workers)
+        return out
+
+    def event_series(self) -> Mapping[SeriesKey, list[float]]:
+        """The shards' `kvroute_event_*` series summed over shards and their generations
+        (`kvroute.router.ops.metrics.RelayedFamilies` exports them)."""
+        out: dict[SeriesKey, list[float]] = {}
+        for c in self._controls:
+            for part in (c.base, c.series):
+                for key, values in part.items():
+                    _add(out, key, values)
         return out
 
     def resync(self, name: str) -> bool:
@@ -208,7 +224,10 @@ class ShardedEvents:
     def _apply_status(self, c: _Control, answer: wire.StatusAnswer) -> None:
         if c.generation is not None and answer.generation > c.generation:
             self.restarts.labels(str(c.shard)).inc(answer.generation - c.generation)
+            for key, values in c.series.items():
+                _add(c.base, key, values)
         c.generation = answer.generation
+        c.series = {(s.family, tuple(s.labels)): s.values for s in answer.series}
         now = self._clock()
         seen: set[str] = set()
         down: set[str] = set()
@@ -252,3 +271,12 @@ class ShardedEvents:
         if not c.answered:
             c.answered = True
             self.up.labels(str(c.shard)).set(1)
+
+
+def _add(into: dict[SeriesKey, list[float]], key: SeriesKey, values: list[float]) -> None:
+    """Add a series' numbers into `into` (a series of another shape replaces it)."""
+    have = into.get(key)
+    if have is None or len(have) != len(values):
+        into[key] = list(values)
+    else:
+        into[key] = [a + b for a, b in zip(have, values, strict=True)]

@@ -38,7 +38,7 @@ from kvroute.router.fleet.event_subscriptions import default_transport as _defau
 from kvroute.router.fleet.workers import WorkerRegistry
 from kvroute.router.gc_tuning import tune_gc
 from kvroute.router.index_shards import wire
-from kvroute.router.ops.metrics import RouterMetrics
+from kvroute.router.ops.metrics import RouterMetrics, family_series
 from kvroute.router.routing.fleet_index_view import FleetIndexView
 
 log = logging.getLogger("kvroute.index_shard")
@@ -194,6 +194,7 @@ class Shard:
         self._holders.pop(name, None)
         if self._registry.remove(name) is None:
             self.view.remove_worker(name)
+        self.metrics.forget_worker(name)  # its series go with it, as in the router
 
     def followed(self) -> list[str]:
         return self._registry.names()
@@ -276,7 +277,11 @@ class Shard:
                     stats.resets if stats else 0,
                 )
             )
-        return wire.StatusAnswer(ask_id, self.shard, self.generation, out)
+        series = [
+            wire.Series(name, list(labels), values)
+            for (name, labels), values in family_series(self.metrics.event_families())
+        ]
+        return wire.StatusAnswer(ask_id, self.shard, self.generation, out, series)
 
 
 def peer_uid(sock: socket.socket) -> int:

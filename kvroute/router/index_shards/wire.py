@@ -18,6 +18,7 @@ from msgspec import Meta, Struct
 MAX_FRAME_BYTES = 16 * 1024 * 1024
 MAX_KEYS = 1 << 20  # a 16M-token prompt at hash_unit 16
 MAX_WORKERS = 65_536
+MAX_SERIES = 8 * MAX_WORKERS  # event series a status answer carries (a few per worker)
 HEADER = struct.Struct(">I")
 _MASK64 = (1 << 64) - 1
 
@@ -171,11 +172,21 @@ class WorkerStatus(Struct, array_like=True):
     resets: int
 
 
+class Series(Struct, array_like=True):
+    """One series of the shard's `kvroute_event_*` families since it started: a counter's
+    value, or a histogram's count per bucket (+Inf last) then its sum."""
+
+    family: Name
+    labels: Annotated[list[Name], Meta(max_length=8)]
+    values: Annotated[list[float], Meta(max_length=64)]
+
+
 class StatusAnswer(Struct, tag=True):
     id: int
     shard: int
     generation: int
     workers: list[WorkerStatus]
+    series: Annotated[list[Series], Meta(max_length=MAX_SERIES)] = []
 
 
 FromShard = Answer | StatusAnswer

@@ -10,16 +10,16 @@ so the request path never touches those gauges.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Container, Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Container, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kvroute.router.fleet.breaker import STATE_CODES
+from kvroute.router.ops.lite_metrics import CounterChild, HistogramChild, LiteFamily
 from kvroute.router.ops.lite_metrics import LiteCounter as Counter
-from kvroute.router.ops.lite_metrics import LiteFamily
 from kvroute.router.ops.lite_metrics import LiteHistogram as Histogram
 
 if TYPE_CHECKING:
@@ -32,6 +32,19 @@ _DECISION = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05)
 _TOKENS = (0, 16, 64, 256, 1024, 4096, 16384, 65536)
 _LAG = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 WORKER = "worker"  # the label naming a worker
+EVENT_PREFIX = "kvroute_event_"  # the families of following event streams (index shards too)
+
+# One series of a family: (family name, label values) -> its numbers: a counter's value, or a
+# histogram's count per bucket (not cumulative, +Inf last) followed by its sum.
+SeriesKey = tuple[str, tuple[str, ...]]
+
+
+@runtime_checkable
+class EventSeriesSource(Protocol):
+    """An event feed that follows the streams elsewhere (index shards) and relays the
+    `kvroute_event_*` series observed there."""
+
+    def event_series(self) -> Mapping[SeriesKey, list[float]]: ...
 
 
 class RouterMetrics:
@@ -231,6 +244,65 @@ class RouterMetrics:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.registry.register(WorkerStateCollector(registry, index, events, clock))
+        if isinstance(events, EventSeriesSource):
+            # the streams are followed in other processes: export what they observed instead
+            # of this process's (idle) event families, under the same names and buckets
+            families = self.event_families()
+            for f in families:
+                self.registry.unregister(f)
+            self.registry.register(RelayedFamilies(families, events.event_series))
+
+    def event_families(self) -> list[LiteFamily]:
+        """The families observed where event streams are followed (`kvroute_event_*`)."""
+        return [
+            m
+            for m in vars(self).values()
+            if isinstance(m, LiteFamily) and m.name.startswith(EVENT_PREFIX)
+        ]
+
+
+def family_series(families: Iterable[LiteFamily]) -> Iterator[tuple[SeriesKey, list[float]]]:
+    """Every series of the families as (key, numbers), as `RelayedFamilies` takes them."""
+    for f in families:
+        for labels, child in list(f._children.items()):
+            if isinstance(child, HistogramChild):
+                yield (f.name, labels), [*map(float, child.counts), child.sum]
+            elif isinstance(child, CounterChild):
+                yield (f.name, labels), [child.value]
+
+
+class RelayedFamilies(Collector):
+    """Families whose series come from elsewhere at scrape time (`source`, keyed as
+    `family_series` yields them), exported under the given families' names, labels and
+    buckets. A series whose labels or bucket count do not fit its family is left out."""
+
+    def __init__(
+        self,
+        families: list[LiteFamily],
+        source: Callable[[], Mapping[SeriesKey, list[float]]],
+    ) -> None:
+        self._families = families
+        self._source = source
+
+    def collect(self) -> Iterator[Metric]:
+        by_family: dict[str, list[tuple[tuple[str, ...], list[float]]]] = {}
+        for (name, labels), values in self._source().items():
+            by_family.setdefault(name, []).append((labels, values))
+        for f in self._families:
+            if isinstance(f, Histogram):
+                hist = Histogram(f.name, f.doc, f.labelnames, buckets=f._bounds)
+                for labels, values in by_family.get(f.name, ()):
+                    if len(labels) == len(f.labelnames) and len(values) == len(f._bounds) + 2:
+                        child = hist.labels(*labels)
+                        child.counts = [int(v) for v in values[:-1]]
+                        child.sum = values[-1]
+                yield from hist.collect()
+            else:
+                counter = Counter(f.name, f.doc, f.labelnames)
+                for labels, values in by_family.get(f.name, ()):
+                    if len(labels) == len(f.labelnames) and len(values) == 1:
+                        counter.labels(*labels).value = values[0]
+                yield from counter.collect()
 
 
 class ScalarGauge(Collector):

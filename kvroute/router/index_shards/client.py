@@ -27,7 +27,6 @@ from kvroute.router.index_shards import wire
 from kvroute.router.index_shards.assign import shard_of
 from kvroute.router.routing.fleet_index_view import _ns
 from kvroute.router.routing.index_view import (
-    GroupReuse,
     IndexStats,
     ReuseExplanation,
     TierReuse,
@@ -327,15 +326,7 @@ class ShardedIndexView:
             if a is None:
                 continue
             for worker, e in a.explained.items():
-                groups = [
-                    GroupReuse(
-                        g.group_id, g.kind, g.block_size, g.sliding_window, g.accepted_tokens
-                    )
-                    for g in e.groups
-                ]
-                out[worker] = ReuseExplanation(
-                    e.reusable_tokens, groups, e.alignment, e.reason, e.expected_tokens
-                )
+                out[worker] = ReuseExplanation.of(e)
         return out
 
     def tiers(

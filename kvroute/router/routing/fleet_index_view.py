@@ -14,7 +14,6 @@ from kvroute.indexer import FleetIndex, Namespace, TierIndex, content_keys
 from kvroute.proto import events_pb2
 from kvroute.proto.namespace import salt_namespace
 from kvroute.router.routing.index_view import (
-    GroupReuse,
     IndexStats,
     ReuseExplanation,
     TierReuse,
@@ -96,13 +95,7 @@ class FleetIndexView:
             keys = self.prompt_keys(token_ids, lora_name, cache_salt)
         out: dict[str, ReuseExplanation] = {}
         for worker, ws in self.index.explain_keys(keys, len(token_ids)).items():
-            groups = [
-                GroupReuse(g.group_id, g.kind, g.block_size, g.sliding_window, g.accepted_tokens)
-                for g in ws.groups
-            ]
-            out[worker] = ReuseExplanation(
-                ws.reusable_tokens, groups, ws.alignment, ws.reason, ws.expected_tokens
-            )
+            out[worker] = ReuseExplanation.of(ws)
         return out
 
     def reach(

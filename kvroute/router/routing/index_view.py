@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvroute.proto import events_pb2
 
@@ -46,6 +46,16 @@ class ReuseExplanation:
         if not accepted:
             return self.expected_tokens or None
         return max(min(accepted), self.expected_tokens)
+
+    @classmethod
+    def of(cls, e: Any) -> ReuseExplanation:
+        """The explanation of a worker's reuse as the indexer (or an index shard's answer)
+        states it: any record with the indexer's field names."""
+        groups = [
+            GroupReuse(g.group_id, g.kind, g.block_size, g.sliding_window, g.accepted_tokens)
+            for g in e.groups
+        ]
+        return cls(e.reusable_tokens, groups, e.alignment, e.reason, e.expected_tokens)
 
 
 @dataclass(frozen=True, slots=True)

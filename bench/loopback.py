@@ -9,14 +9,14 @@ ports, so faults are the ones an operator sees: a process that dies, a socket th
         ...
         lb.restart(engines[0], kill=True)             # same HTTP, PUB and replay ports
 
-Every child gets PR_SET_PDEATHSIG, so nothing outlives the test process; `close()` stops what is
-left. Each child's stderr goes to a log file in the Loopback's directory (`Proc.log_tail()`).
+Every child gets PR_SET_PDEATHSIG (armed in the child by `kvroute.lifeline`), so nothing
+outlives the test process; `close()` stops what is left. Each child's stderr goes to a log
+file in the Loopback's directory (`Proc.log_tail()`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import re
@@ -34,6 +34,7 @@ from typing import IO, Any
 
 import yaml
 
+from kvroute import lifeline
 from kvroute.sim.model import MODEL_DIR
 from kvroute.testbed.procs import cpu_seconds
 
@@ -48,11 +49,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
-    with contextlib.suppress(OSError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def _port_of(endpoint: str) -> int:
@@ -195,6 +191,7 @@ class Loopback:
         log_path = self.dir / f"{self._counter:03d}-{name}.log"
         log_file = log_path.open("w")
         env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+        env.update(lifeline.env(signal.SIGKILL))  # armed by the child: no pre-exec hook
         popen = subprocess.Popen(
             argv,
             stdout=subprocess.PIPE,
@@ -203,7 +200,6 @@ class Loopback:
             text=True,
             env=env,
             cwd=ROOT,
-            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
         )
         log_file.close()
         proc = Proc(name, argv, popen, log_path)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import importlib
 import sys
 
+from kvroute import lifeline
+
 # name -> (module, one-line description)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bridge": ("kvroute.bridge.cli", "follow a vLLM engine's KV events and serve them over gRPC"),
@@ -33,6 +35,7 @@ def _usage() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    lifeline.arm()
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help", "help"):
         print(_usage())

@@ -6,13 +6,12 @@ the fleet prints the addresses, writes the router config (`--config-out`, in the
 format of `docs/configuration.md`: `kvroute serve --config PATH` accepts it as is), prints one JSON
 line {"fleet_ready": true, ...}, and waits. SIGINT/SIGTERM (or Ctrl-C) stops every child:
 SIGTERM first, SIGKILL after a grace period. Children also get SIGTERM if the fleet process
-dies (Linux PR_SET_PDEATHSIG), so nothing outlives it.
+dies (Linux PR_SET_PDEATHSIG, `kvroute.lifeline`), so nothing outlives it.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import importlib.util
 import json
 import os
@@ -29,18 +28,11 @@ from typing import IO, Any
 
 import yaml
 
+from kvroute import lifeline
 from kvroute.sim.engine_args import add_engine_args, engine_argv, engine_config
 from kvroute.sim.model import MODEL_DIR
 
 _BRIDGE_PORTS = re.compile(r"gRPC on port (\d+)(?:, HTTP on port (\d+))?")
-
-
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 def _spawn(argv: list[str]) -> subprocess.Popen[str]:
@@ -49,7 +41,7 @@ def _spawn(argv: list[str]) -> subprocess.Popen[str]:
         stdout=subprocess.PIPE,
         stdin=subprocess.DEVNULL,
         text=True,
-        preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+        env={**os.environ, **lifeline.env(signal.SIGTERM)},
     )
 
 

@@ -14,11 +14,18 @@ reported apart). The shard-backed view is timed while a feeder process sends eve
 fresh 128-block prefill stores and removes of older ones at `--rate` blocks per second in
 all (the in-process index would apply those on the proxy's event loop: its share of a core
 is reported from the measured in-process ingest rate).
+
+`--via grpc` feeds the shards as a router's do in service: the feeder process is a bridge (a
+gRPC KvEvents server whose dp_rank k is worker k) and each shard follows its workers over
+their own subscriptions (`Follow`), so the fed batches reach the index through the shard's
+event subscriptions rather than `Apply` frames on a socket. Then the event lag (each batch's
+send time to its apply, the shards' `kvroute_event_lag_seconds`) is reported too.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import platform
@@ -28,6 +35,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from bench.index_bench import LAYOUTS, SYSTEM, UNIT, Engine, engine_hashes, tokens
 from kvroute.indexer import content_keys
@@ -146,15 +154,7 @@ def feed(paths: list[str], rate: float, seconds: float, first_seqs: list[int]) -
         if blocks > rate * elapsed:
             time.sleep(0.0005)
             continue
-        i = turn[w] % POOL
-        batch = pb.KvEventBatch(sequence=seqs[w], timestamp=time.time())
-        store, _ = pool[i]
-        batch.events.append(store)
-        sent = len(store.block_hashes)
-        if turn[w] >= POOL // 2:
-            _, old = pool[(turn[w] - POOL // 2) % POOL]
-            batch.events.append(pb.KvGroupEvent(operation=pb.KvGroupEvent.REMOVE, block_hashes=old))
-            sent += len(old)
+        batch, sent = feed_batch(pool, turn[w], seqs[w])
         name = f"w{w}"
         sock = socks[shard_of(name, len(socks))]
         sock.sendall(wire.frame(wire.Apply(name, batch.SerializeToString())))
@@ -172,6 +172,145 @@ def feed(paths: list[str], rate: float, seconds: float, first_seqs: list[int]) -
     print(
         json.dumps({"blocks": blocks, "seconds": elapsed, "rate": blocks / elapsed, "seqs": seqs})
     )
+
+
+def feed_batch(
+    pool: list[tuple[pb.KvGroupEvent, list[bytes]]], turn: int, seq: int
+) -> tuple[pb.KvEventBatch, int]:
+    """Turn `turn` of a worker's feed: store pool prompt turn % POOL, remove the one stored
+    POOL/2 turns earlier; the batch and the blocks it stores and removes."""
+    batch = pb.KvEventBatch(sequence=seq, timestamp=time.time())
+    store, _ = pool[turn % POOL]
+    batch.events.append(store)
+    sent = len(store.block_hashes)
+    if turn >= POOL // 2:
+        _, old = pool[(turn - POOL // 2) % POOL]
+        batch.events.append(pb.KvGroupEvent(operation=pb.KvGroupEvent.REMOVE, block_hashes=old))
+        sent += len(old)
+    return batch, sent
+
+
+class _Rank:
+    """Worker k's stream on the feeder's bridge (the face `kv_events_handler` uses): an empty
+    snapshot without a sequence when subscribed, then whatever the feed offers."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+        self.subscriber: object | None = None
+        self.epoch = 0
+
+    def subscribe(self, request: pb.SubscribeRequest) -> object:
+        from kvroute.bridge.stream import Subscriber
+
+        self.epoch += 1
+        sub = Subscriber(1 << 16)
+        snap = pb.Snapshot(
+            dp_rank=self.k, stream_id=f"bench/{self.k}/{self.epoch}", reason="initial"
+        )
+        sub.offer(pb.SubscribeResponse(snapshot=snap).SerializeToString())
+        self.subscriber = sub
+        return sub
+
+    def unsubscribe(self, subscriber: object) -> None:
+        if subscriber is self.subscriber:
+            self.subscriber = None
+
+
+async def serve_grpc(n_workers: int) -> None:
+    """Be the workers' bridge: print "PORT n" once serving, then for each line read from
+    stdin ({"rate", "seconds", "first_seqs"}) feed as `feed` does, through the subscriptions,
+    and print the JSON `feed` prints once it is all queued (the caller waits for the shards
+    to apply it)."""
+    from kvroute.bridge.server import kv_events_handler, start_grpc_server
+
+    ranks = [_Rank(k) for k in range(n_workers)]
+    handler = kv_events_handler(lambda k: ranks[k] if 0 <= k < n_workers else None)
+    server, port = await start_grpc_server("127.0.0.1:0", handler)  # type: ignore[arg-type]
+    print(f"PORT {port}", flush=True)
+    pool = feeder_pool(7)
+    loop = asyncio.get_running_loop()
+    turn = [0] * n_workers
+    try:
+        while line := await loop.run_in_executor(None, sys.stdin.readline):
+            ask = json.loads(line)
+            rate, seconds, seqs = ask["rate"], ask["seconds"], list(ask["first_seqs"])
+            blocks = overflows = 0
+            started = time.perf_counter()
+            w = 0
+            while (elapsed := time.perf_counter() - started) < seconds:
+                if blocks > rate * elapsed:
+                    await asyncio.sleep(0.0005)
+                    continue
+                batch, sent = feed_batch(pool, turn[w], seqs[w])
+                sub = ranks[w].subscriber
+                message = pb.SubscribeResponse(batch=batch).SerializeToString()
+                if sub is None or not sub.offer(message):  # type: ignore[attr-defined]
+                    overflows += 1
+                blocks += sent
+                seqs[w] += 1
+                turn[w] += 1
+                w = (w + 1) % n_workers
+                if w % 16 == 0:
+                    await asyncio.sleep(0)  # let the handlers send
+            out = {"blocks": blocks, "seconds": time.perf_counter() - started, "seqs": seqs}
+            print(json.dumps({**out, "overflows": overflows}), flush=True)
+    finally:
+        await server.stop(grace=None)
+
+
+class Control:
+    """The bench's control connection to one shard: which workers it follows, its status."""
+
+    def __init__(self, path: str) -> None:
+        self.sock = socket.socket(socket.AF_UNIX)
+        self.sock.connect(path)
+        self._reader = wire.FrameReader()
+        self._asked = 0
+
+    def follow(self, refs: list[wire.WorkerRef]) -> None:
+        self.sock.sendall(wire.frame(wire.Follow(refs)))
+
+    def status(self) -> wire.StatusAnswer:
+        self._asked += 1
+        self.sock.sendall(wire.frame(wire.StatusAsk(self._asked)))
+        while True:
+            for body in self._reader.feed(self.sock.recv(1 << 20)):
+                answer = wire.decode_from_shard(body)
+                if isinstance(answer, wire.StatusAnswer) and answer.id == self._asked:
+                    return answer
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def lag_counts(controls: list[Control]) -> list[float]:
+    """The shards' kvroute_event_lag_seconds bucket counts (+Inf last), summed."""
+    total: list[float] = []
+    for c in controls:
+        for s in c.status().series:
+            if s.family == "kvroute_event_lag_seconds":
+                counts = s.values[:-1]
+                total = [a + b for a, b in zip(total, counts, strict=True)] if total else counts
+    return total
+
+
+def bucket_quantile(counts: list[float], q: float) -> float | None:
+    """Quantile q of a histogram's bucket counts (the lag buckets), interpolated within its
+    bucket as Prometheus does; None without observations, inf past the last bound."""
+    from kvroute.router.ops.metrics import _LAG
+
+    n = sum(counts)
+    if n <= 0:
+        return None
+    rank, seen, lower = q * n, 0.0, 0.0
+    for bound, c in zip([*_LAG, float("inf")], counts, strict=True):
+        if seen + c >= rank and c > 0:
+            if bound == float("inf"):
+                return bound
+            return lower + (bound - lower) * (rank - seen) / c
+        seen += c
+        lower = bound
+    return float("inf")
 
 
 def ingest_rate_in_process(seed: int) -> float:
@@ -219,8 +358,93 @@ def load(paths: list[str], content: dict[str, list[pb.KvEventBatch]]) -> None:
 
 
 # -- the run -------------------------------------------------------------------------------
+class GrpcFeeder:
+    """The feeder process of `--via grpc`: the workers' bridge, fed on request."""
+
+    def __init__(self, n_workers: int) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "bench.index_shard_bench", "--serve-grpc", str(n_workers)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line.startswith("PORT "):
+            raise RuntimeError(f"the gRPC feeder did not start: {line!r}")
+        self.address = f"127.0.0.1:{int(line.split()[1])}"
+
+    def start(self, rate: float, seconds: float, first_seqs: list[int]) -> None:
+        assert self.proc.stdin is not None
+        ask = {"rate": rate, "seconds": seconds, "first_seqs": first_seqs}
+        self.proc.stdin.write(json.dumps(ask) + "\n")
+        self.proc.stdin.flush()
+
+    def done(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        return dict(json.loads(self.proc.stdout.readline()))
+
+    def stop(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def follow_over_grpc(
+    controls: list[Control], feeder: GrpcFeeder, n_workers: int, timeout_s: float = 120.0
+) -> float:
+    """Have each shard follow its workers on the feeder's bridge; the seconds until every
+    stream is live (its empty snapshot applied)."""
+    from kvroute.router.index_shards.assign import shard_of
+
+    t0 = time.perf_counter()
+    refs: list[list[wire.WorkerRef]] = [[] for _ in controls]
+    for k in range(n_workers):
+        name = f"w{k}"
+        refs[shard_of(name, len(controls))].append(
+            wire.WorkerRef(name, bridge=feeder.address, dp_rank=k)
+        )
+    for c, mine in zip(controls, refs, strict=True):
+        c.follow(mine)
+    while True:
+        live = sum(1 for c in controls for w in c.status().workers if w.state == "live")
+        if live == n_workers:
+            return time.perf_counter() - t0
+        if time.perf_counter() - t0 > timeout_s:
+            raise RuntimeError(f"{live} of {n_workers} streams live after {timeout_s} s")
+        time.sleep(0.2)
+
+
+def applied_through(controls: list[Control], seqs: list[int], timeout_s: float = 300.0) -> float:
+    """Wait until every worker's index holds its batches up to sequence seqs[k] - 1; the
+    seconds waited."""
+    t0 = time.perf_counter()
+    want = {f"w{k}": s - 1 for k, s in enumerate(seqs)}
+    while True:
+        behind = 0
+        for c in controls:
+            for w in c.status().workers:
+                if w.name in want and (w.index_sequence or -1) < want[w.name]:
+                    behind += 1
+        if not behind:
+            return time.perf_counter() - t0
+        if time.perf_counter() - t0 > timeout_s:
+            raise RuntimeError(f"{behind} workers not caught up after {timeout_s} s")
+        time.sleep(0.05)
+
+
 def run_fleet(
-    n_workers: int, shards: int, background: int, prompt_sizes: list[int], reps: int, rate: float
+    n_workers: int,
+    shards: int,
+    background: int,
+    prompt_sizes: list[int],
+    reps: int,
+    rate: float,
+    via: str = "apply",
 ) -> dict[str, object]:
     t0 = time.perf_counter()
     content = fleet_batches(n_workers, background, seed=1)
@@ -239,11 +463,19 @@ def run_fleet(
             local.apply(w, b)
     sup = ShardSupervisor(shards, ShardSettings())
     sup.start()
+    feeder: GrpcFeeder | None = None
+    controls: list[Control] = []
     try:
         paths = [sup.socket(i) for i in range(shards)]
         remote = ShardedIndexView(paths, deadline_s=120.0)
         while not all(link.ensure() for link in remote.links):
             time.sleep(0.05)
+        live_s = None
+        if via == "grpc":
+            feeder = GrpcFeeder(n_workers)
+            controls = [Control(p) for p in paths]
+            live_s = follow_over_grpc(controls, feeder, n_workers)
+            print(f"  {n_workers} subscriptions live in {live_s:.1f} s")
         t1 = time.perf_counter()
         load(paths, content)
         load_s = time.perf_counter() - t1
@@ -269,26 +501,43 @@ def run_fleet(
             router_cpu = (time.process_time() - cpu0) / reps * 1000
             shard_cpu = (sum(cpu_seconds(p) for p in pids) - shard_cpu0) / reps * 1000
             missed_before = sum(remote.missed.labels(str(i))._value.get() for i in range(shards))
-            feeder = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "bench.index_shard_bench",
-                    "--feed",
-                    json.dumps(paths),
-                    "--rate",
-                    str(rate),
-                    "--seconds",
-                    str(max(5.0, reps * 0.004 + 3.0)),
-                    "--first-seqs",
-                    json.dumps([e.seq for e in engines]),
-                ],
-                stdout=subprocess.PIPE,
-            )
+            seconds = max(5.0, reps * 0.004 + 3.0)
+            first_seqs = [e.seq for e in engines]
+            lag0 = lag_counts(controls) if controls else []
+            feed_cpu0, feed_t0 = sum(cpu_seconds(p) for p in pids), time.perf_counter()
+            if feeder is not None:
+                feeder.start(rate, seconds, first_seqs)
+            else:
+                proc = subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "bench.index_shard_bench",
+                        "--feed",
+                        json.dumps(paths),
+                        "--rate",
+                        str(rate),
+                        "--seconds",
+                        str(seconds),
+                        "--first-seqs",
+                        json.dumps(first_seqs),
+                    ],
+                    stdout=subprocess.PIPE,
+                )
             time.sleep(1.0)  # the feed is under way
             busy = time_decisions(remote, hot, keys, reps)
-            out, _ = feeder.communicate()
-            fed = json.loads(out.decode().strip().splitlines()[-1])
+            overflows = 0
+            if feeder is not None:
+                fed = feeder.done()
+                applied_through(controls, fed["seqs"])
+                fed["rate"] = fed["blocks"] / (time.perf_counter() - feed_t0)
+                overflows = int(fed["overflows"])
+            else:
+                out, _ = proc.communicate()
+                fed = json.loads(out.decode().strip().splitlines()[-1])
+            feed_wall = time.perf_counter() - feed_t0
+            feed_cpu = sum(cpu_seconds(p) for p in pids) - feed_cpu0
+            lag = [b - a for a, b in zip(lag0, lag_counts(controls), strict=True)] if lag0 else []
             for eng, seq in zip(engines, fed["seqs"], strict=True):
                 eng.seq = seq
             remote.deadline_s = 120.0  # the fed stores and removes left the request's hits
@@ -297,6 +546,7 @@ def run_fleet(
             row = {
                 "workers": n_workers,
                 "shards": shards,
+                "via": via,
                 "prompt_tokens": n,
                 "best_hit": best,
                 "hash_ms": percentiles(hashing),
@@ -306,48 +556,74 @@ def run_fleet(
                 "shards_cpu_ms_per_decision": round(shard_cpu, 3),
                 "shards_ingesting": percentiles(busy),
                 "feed_blocks_per_s": round(fed["rate"]),
+                "shards_cpu_s_per_s_ingesting": round(feed_cpu / feed_wall, 3),
                 "missed_while_ingesting": int(missed - missed_before),
                 "decisions": reps,
             }
+            if lag:
+                p50, p99 = bucket_quantile(lag, 0.5), bucket_quantile(lag, 0.99)
+                row["lag_ms"] = {
+                    "p50_ms": None if p50 is None else round(p50 * 1000, 2),
+                    "p99_ms": None if p99 is None else round(p99 * 1000, 2),
+                    "batches": int(sum(lag)),
+                }
+                row["feed_overflows"] = overflows
             rows.append(row)
+            lag_text = (
+                f" lag p50={row['lag_ms']['p50_ms']} p99={row['lag_ms']['p99_ms']} ms"  # type: ignore[index]
+                if "lag_ms" in row
+                else ""
+            )
             print(
                 f"  tokens={n}: in-process p50={row['in_process']['p50_ms']} "
                 f"p99={row['in_process']['p99_ms']} | shards idle p50="
                 f"{row['shards_idle']['p50_ms']} p99={row['shards_idle']['p99_ms']} | ingesting "
                 f"{row['feed_blocks_per_s']:,} blocks/s p50={row['shards_ingesting']['p50_ms']} "
-                f"p99={row['shards_ingesting']['p99_ms']} missed={row['missed_while_ingesting']}",
+                f"p99={row['shards_ingesting']['p99_ms']} missed={row['missed_while_ingesting']}"
+                f" shards CPU {row['shards_cpu_s_per_s_ingesting']} s/s{lag_text}",
                 flush=True,
             )
         rss = [rss_mb(pid) for i in range(shards) if (pid := sup.pid(i)) is not None]
         remote.close()
         return {
             "workers": n_workers,
+            "via": via,
             "blocks": blocks,
+            "subscriptions_live_s": None if live_s is None else round(live_s, 2),
             "shard_load_s": round(load_s, 2),
             "shard_rss_mb": rss,
             "bench_rss_mb": rss_mb(os.getpid()),
             "rows": rows,
         }
     finally:
+        for c in controls:
+            c.close()
+        if feeder is not None:
+            feeder.stop()
         sup.stop()
 
 
 def markdown(result: dict[str, object]) -> str:
     lines = [
-        "| workers | shards | prompt tokens | in-process p50 / p99 | shards idle p50 / p99 | "
-        "shards ingesting p50 / p99 | feed blocks/s | missed | hashing p50 | "
+        "| workers | shards | fed via | prompt tokens | in-process p50 / p99 | "
+        "shards idle p50 / p99 | shards ingesting p50 / p99 | feed blocks/s | missed | "
+        "lag p50 / p99 ms | shards CPU-s/s ingesting | hashing p50 | "
         "CPU per decision: router / all shards |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for fleet in result["fleets"]:  # type: ignore[attr-defined]
         for r in fleet["rows"]:
+            lag = r.get("lag_ms")
+            lag_cell = f"{lag['p50_ms']} / {lag['p99_ms']}" if lag else "-"
             lines.append(
-                f"| {r['workers']} | {r['shards']} | {r['prompt_tokens']} | "
+                f"| {r['workers']} | {r['shards']} | {r.get('via', 'apply')} | "
+                f"{r['prompt_tokens']} | "
                 f"{r['in_process']['p50_ms']:.3f} / {r['in_process']['p99_ms']:.3f} | "
                 f"{r['shards_idle']['p50_ms']:.3f} / {r['shards_idle']['p99_ms']:.3f} | "
                 f"{r['shards_ingesting']['p50_ms']:.3f} / {r['shards_ingesting']['p99_ms']:.3f} | "
-                f"{r['feed_blocks_per_s']:,} | {r['missed_while_ingesting']} | "
-                f"{r['hash_ms']['p50_ms']:.3f} | {r['router_cpu_ms_per_decision']:.3f} / "
+                f"{r['feed_blocks_per_s']:,} | {r['missed_while_ingesting']} | {lag_cell} | "
+                f"{r.get('shards_cpu_s_per_s_ingesting', '-')} | {r['hash_ms']['p50_ms']:.3f} | "
+                f"{r['router_cpu_ms_per_decision']:.3f} / "
                 f"{r['shards_cpu_ms_per_decision']:.3f} |"
             )
     return "\n".join(lines) + "\n"
@@ -362,15 +638,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate", type=float, default=100_000, help="blocks/s fed while timing")
     p.add_argument("--reps", type=int, default=400, help="decisions timed per case")
     p.add_argument("--out", type=Path, help="directory for index_shards.json and .md")
+    p.add_argument(
+        "--via",
+        choices=("apply", "grpc"),
+        default="apply",
+        help="feed the shards Apply frames on a socket, or over the workers' gRPC subscriptions",
+    )
+    p.add_argument("--prompts", type=int, nargs="*", help="prompt sizes (default 8192 32768)")
+    p.add_argument("--serve-grpc", type=int, help=argparse.SUPPRESS)  # be the gRPC feeder
     p.add_argument("--feed", help=argparse.SUPPRESS)  # JSON list of sockets: be the feeder
     p.add_argument("--seconds", type=float, default=5.0, help=argparse.SUPPRESS)
     p.add_argument("--first-seqs", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.serve_grpc:
+        asyncio.run(serve_grpc(args.serve_grpc))
+        return 0
     if args.feed:
         feed(json.loads(args.feed), args.rate, args.seconds, json.loads(args.first_seqs))
         return 0
     fleets = args.workers or ([16, 64] if args.smoke else [256, 1024])
-    prompts = [8192, 32768] if not args.smoke else [8192]
+    prompts = args.prompts or ([8192, 32768] if not args.smoke else [8192])
     reps = 60 if args.smoke else args.reps
     background = 4096 if args.smoke else args.background
     rate = min(args.rate, 20_000) if args.smoke else args.rate
@@ -379,8 +666,11 @@ def main(argv: list[str] | None = None) -> int:
         "machine": f"{platform.machine()} x{os.cpu_count()}",
         "python": platform.python_version(),
         "load_before": os.getloadavg(),
+        "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "in_process_ingest_blocks_per_s": round(ingest_rate_in_process(7)),
-        "fleets": [run_fleet(n, args.shards, background, prompts, reps, rate) for n in fleets],
+        "fleets": [
+            run_fleet(n, args.shards, background, prompts, reps, rate, args.via) for n in fleets
+        ],
         "load_after": os.getloadavg(),
     }
     print(markdown(result))

@@ -35,7 +35,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from bench.index_bench import LAYOUTS, SYSTEM, UNIT, Engine, engine_hashes, tokens
 from kvroute.indexer import content_keys
@@ -222,9 +222,12 @@ async def serve_grpc(n_workers: int) -> None:
     and print the JSON `feed` prints once it is all queued (the caller waits for the shards
     to apply it)."""
     from kvroute.bridge.server import kv_events_handler, start_grpc_server
+    from kvroute.bridge.stream import RankStream
 
     ranks = [_Rank(k) for k in range(n_workers)]
-    handler = kv_events_handler(lambda k: ranks[k] if 0 <= k < n_workers else None)
+    handler = kv_events_handler(
+        lambda k: cast(RankStream, ranks[k]) if 0 <= k < n_workers else None  # duck-typed
+    )
     server, port = await start_grpc_server("127.0.0.1:0", handler)  # type: ignore[arg-type]
     print(f"PORT {port}", flush=True)
     pool = feeder_pool(7)
@@ -598,9 +601,9 @@ def run_fleet(
     finally:
         for c in controls:
             c.close()
+        sup.stop()
         if feeder is not None:
             feeder.stop()
-        sup.stop()
 
 
 def markdown(result: dict[str, object]) -> str:

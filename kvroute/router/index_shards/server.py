@@ -7,6 +7,15 @@ follows the union of what its live control connections ask for; a worker nobody 
 more (its last router process closed the connection) is dropped after `release_after_s`, so
 a router that restarts finds the view still warm.
 
+Queries go first. Ingest (a batch from a worker's stream or an `Apply` frame, a step of a
+snapshot) runs on the same event loop as the answers, and a loop that has many batches ready
+runs them all before it reads a socket again: a query would wait behind that run. So before
+each batch or snapshot step the shard reads its sockets itself and answers the queries that
+wait there (`ShardServer.answer_waiting`), at most `MAX_QUERIES_AHEAD` of them per batch, so
+ingest always moves on. Only a query (and an `Expect`, which changes no indexed content) at
+the head of its connection jumps ahead: every other message is handled in its connection's
+order, and a connection's own batches are applied in order before its later messages.
+
     python -m kvroute.router.index_shards.server --socket PATH --shard I --generation G
 
 reads its settings (`ShardSettings`, JSON) from the environment variable SETTINGS_ENV.
@@ -21,11 +30,13 @@ import dataclasses
 import json
 import logging
 import os
+import select
 import socket
 import struct
 import sys
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from google.protobuf.message import DecodeError
@@ -44,6 +55,12 @@ from kvroute.router.routing.fleet_index_view import FleetIndexView
 log = logging.getLogger("kvroute.index_shard")
 SETTINGS_ENV = "KVROUTE_INDEX_SHARD_SETTINGS"
 _PEERCRED = struct.Struct("3i")
+MAX_QUERIES_AHEAD = 16  # queries answered ahead of one batch (ingest is never starved)
+SLICE_S = 0.002  # a connection's frames handled before the loop gets a turn (at least one)
+MAX_INBOX = 256  # frames read ahead of handling, per connection (then the socket is not read)
+MAX_OUTBOX_BYTES = 64 * 1024 * 1024  # unsent answer bytes before the connection is closed
+_READ_CHUNK = 1 << 20
+_JUMPS = (wire.Query, wire.Expect)  # may be handled ahead of batches waiting elsewhere
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -82,6 +99,40 @@ def _spec(ref: wire.WorkerRef) -> WorkerSpec:
     )
 
 
+class GatedView(FleetIndexView):
+    """The shard's view: `gate` runs before each batch, snapshot and snapshot step is applied
+    (the shard answers the queries waiting meanwhile)."""
+
+    def __init__(self, hash_unit: int, **kwargs: Any) -> None:
+        super().__init__(hash_unit, **kwargs)
+        self.gate: Callable[[], None] = lambda: None
+
+    def apply(self, worker: str, batch: events_pb2.KvEventBatch) -> None:
+        self.gate()
+        super().apply(worker, batch)
+
+    def apply_snapshot(self, worker: str, snapshot: events_pb2.Snapshot) -> None:
+        self.gate()
+        super().apply_snapshot(worker, snapshot)
+
+    def apply_snapshot_steps(
+        self, worker: str, snapshot: events_pb2.Snapshot, blocks_per_step: int
+    ) -> Iterator[None]:
+        steps = super().apply_snapshot_steps(worker, snapshot, blocks_per_step)
+        close = getattr(steps, "close", None)
+        try:
+            while True:
+                self.gate()
+                try:
+                    next(steps)
+                except StopIteration:
+                    return
+                yield
+        finally:
+            if close is not None:
+                close()  # cancelled midway: the index drops the snapshot
+
+
 class Shard:
     """The shard's state and its answers to every message (no I/O of its own but the event
     subscriptions it starts)."""
@@ -99,7 +150,7 @@ class Shard:
         events_cfg = settings.events
         # nothing to relay here: a batch is applied as soon as it arrives
         events_cfg = dataclasses.replace(events_cfg, apply_delay_s=0.0)
-        self.view = FleetIndexView(
+        self.view = GatedView(
             settings.hash_unit,
             max_entries_per_worker=events_cfg.max_entries_per_worker,
             max_pending_per_worker=events_cfg.max_pending_per_worker,
@@ -290,57 +341,250 @@ def peer_uid(sock: socket.socket) -> int:
     return int(_PEERCRED.unpack(raw)[1])
 
 
+class _Conn:
+    """One peer's connection: frames read and not yet handled, answers not yet sent."""
+
+    __slots__ = ("busy", "fd", "frames", "id", "inbox", "outbox", "reading", "scheduled", "sock")
+
+    def __init__(self, conn_id: int, sock: socket.socket) -> None:
+        self.id = conn_id
+        self.sock = sock
+        self.fd = sock.fileno()
+        self.frames = wire.FrameReader()
+        self.inbox: deque[wire.ToShard] = deque()
+        self.outbox = bytearray()
+        self.busy = False  # its frames are being handled (a batch of its own is applying)
+        self.scheduled = False  # a turn to handle its inbox is due on the loop
+        self.reading = False  # its socket is watched by the loop
+
+
 class ShardServer:
-    """Serves one `Shard` on a Unix socket; only this user's processes are answered."""
+    """Serves one `Shard` on a Unix socket; only this user's processes are answered.
+
+    The connections are plain non-blocking sockets that the shard reads itself: from the
+    loop when one is readable, and from `answer_waiting` before each batch is applied."""
 
     def __init__(self, shard: Shard, path: str) -> None:
         self.shard = shard
         self.path = path
-        self._server: asyncio.AbstractServer | None = None
+        self._listener: socket.socket | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._conns: dict[int, _Conn] = {}  # by fd
+        self._poll = select.poll()
         self._next_conn = 0
+        self._answering = False
         self._ratelog = RateLimitedLog(log, interval_s=10.0)
+        self.jumped = 0  # queries answered ahead of a batch (tests, diagnosis)
 
     async def start(self) -> None:
         with_suppress_unlink(self.path)
-        self._server = await asyncio.start_unix_server(self._serve, self.path, limit=1 << 16)
+        self._loop = asyncio.get_running_loop()
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(self.path)
         os.chmod(self.path, 0o600)
+        listener.listen(128)
+        listener.setblocking(False)
+        self._listener = listener
+        self._loop.add_reader(listener.fileno(), self._accept)
+        self.shard.view.gate = self.answer_waiting
         await self.shard.start()
 
     async def stop(self) -> None:
-        if self._server is not None:
-            self._server.close()
+        if self._listener is not None and self._loop is not None:
+            self._loop.remove_reader(self._listener.fileno())
+            self._listener.close()
+            self._listener = None
+        for conn in list(self._conns.values()):
+            self._close(conn)
+        self.shard.view.gate = lambda: None
         await self.shard.stop()
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        sock = writer.get_extra_info("socket")
-        if sock is None or peer_uid(sock) != os.getuid():
-            self._ratelog.warning("peer", "shard %d: refused another user's peer", self.shard.shard)
-            writer.close()
+    # -- connections ----------------------------------------------------------------------
+    def _accept(self) -> None:
+        assert self._listener is not None and self._loop is not None
+        while True:
+            try:
+                sock, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                self._ratelog.warning("accept", "shard %d: accept: %s", self.shard.shard, exc)
+                return
+            if peer_uid(sock) != os.getuid():
+                self._ratelog.warning(
+                    "peer", "shard %d: refused another user's peer", self.shard.shard
+                )
+                sock.close()
+                continue
+            sock.setblocking(False)
+            self._next_conn += 1
+            conn = _Conn(self._next_conn, sock)
+            self._conns[conn.fd] = conn
+            self._poll.register(conn.fd, select.POLLIN)
+            self._watch(conn, True)
+
+    def _watch(self, conn: _Conn, on: bool) -> None:
+        """Have the loop read `conn` when readable (or not: its inbox is full)."""
+        if on == conn.reading or self._loop is None:
             return
-        self._next_conn += 1
-        conn = self._next_conn
+        conn.reading = on
+        if on:
+            self._loop.add_reader(conn.fd, self._readable, conn)
+        else:
+            self._loop.remove_reader(conn.fd)
+
+    def _close(self, conn: _Conn) -> None:
+        if self._conns.pop(conn.fd, None) is None:
+            return
+        self._poll.unregister(conn.fd)
+        if self._loop is not None:
+            if conn.reading:
+                self._loop.remove_reader(conn.fd)
+            self._loop.remove_writer(conn.fd)
+        conn.inbox.clear()
+        conn.sock.close()
+        self.shard.closed(conn.id)
+
+    def _read(self, conn: _Conn) -> bool:
+        """Read what the socket holds into the inbox (not past MAX_INBOX frames); False if
+        the connection is gone (closed by the peer, or a bad frame: closed here)."""
+        while len(conn.inbox) < MAX_INBOX:
+            try:
+                data = conn.sock.recv(_READ_CHUNK)
+            except (BlockingIOError, InterruptedError):
+                return True
+            except OSError:
+                self._close(conn)
+                return False
+            if not data:
+                self._close(conn)
+                return False
+            try:
+                conn.inbox.extend(wire.decode_to_shard(b) for b in conn.frames.feed(data))
+            except wire.WireError as exc:
+                self.shard.bad_messages += 1
+                self._ratelog.warning(
+                    "wire", "shard %d: %s; connection closed", self.shard.shard, exc
+                )
+                self._close(conn)
+                return False
+        return True
+
+    def _send(self, conn: _Conn, data: bytes) -> None:
+        if not conn.outbox:
+            try:
+                n = conn.sock.send(data)
+            except (BlockingIOError, InterruptedError):
+                n = 0
+            except OSError:
+                self._close(conn)
+                return
+            if n == len(data):
+                return
+            data = data[n:]
+            if self._loop is not None:
+                self._loop.add_writer(conn.fd, self._writable, conn)
+        conn.outbox += data
+        if len(conn.outbox) > MAX_OUTBOX_BYTES:  # the peer reads nothing: let it start afresh
+            self._ratelog.warning(
+                "outbox", "shard %d: a peer does not read its answers; closed", self.shard.shard
+            )
+            self._close(conn)
+
+    def _writable(self, conn: _Conn) -> None:
         try:
-            while True:
-                header = await reader.readexactly(wire.HEADER.size)
-                body = await reader.readexactly(wire.frame_length(header))
-                answer = self.shard.handle(conn, wire.decode_to_shard(body))
-                if answer is not None:
-                    writer.write(wire.frame(answer))
-                    await writer.drain()
-                else:
-                    # a reader with frames buffered does not yield on its own: let a query
-                    # waiting on another connection go before this one's next batch
-                    await asyncio.sleep(0)
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        except wire.WireError as exc:
-            self.shard.bad_messages += 1
-            self._ratelog.warning("wire", "shard %d: %s; connection closed", self.shard.shard, exc)
+            n = conn.sock.send(conn.outbox)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._close(conn)
+            return
+        del conn.outbox[:n]
+        if not conn.outbox and self._loop is not None:
+            self._loop.remove_writer(conn.fd)
+
+    def _handle(self, conn: _Conn, message: wire.ToShard) -> bool:
+        """Handle one message and send its answer; False if the connection was closed."""
+        try:
+            answer = self.shard.handle(conn.id, message)
         except Exception as exc:  # a bug answering one message: this connection only
             self._ratelog.error("handle", "shard %d: %r; connection closed", self.shard.shard, exc)
+            self._close(conn)
+            return False
+        if answer is not None:
+            try:
+                data = wire.frame(answer)
+            except wire.WireError as exc:
+                self._ratelog.error("answer", "shard %d: %s", self.shard.shard, exc)
+                self._close(conn)
+                return False
+            self._send(conn, data)
+        return conn.fd in self._conns
+
+    # -- the loop's turns -----------------------------------------------------------------
+    def _readable(self, conn: _Conn) -> None:
+        if self._read(conn):
+            self._drain(conn)
+
+    def _turn(self, conn: _Conn) -> None:
+        conn.scheduled = False
+        if conn.fd in self._conns and not conn.busy:
+            self._drain(conn)
+
+    def _drain(self, conn: _Conn) -> None:
+        """Handle the connection's frames in order for up to SLICE_S (at least one), then
+        give the loop a turn if some remain; read on once its inbox is empty."""
+        if conn.busy:
+            return
+        conn.busy = True
+        started = time.perf_counter()
+        try:
+            while conn.inbox:
+                if not self._handle(conn, conn.inbox.popleft()):
+                    return
+                if conn.inbox and time.perf_counter() - started >= SLICE_S:
+                    break
         finally:
-            self.shard.closed(conn)
-            writer.close()
+            conn.busy = False
+        if conn.fd not in self._conns:
+            return
+        if conn.inbox:
+            self._watch(conn, False)  # its sender waits (the kernel's buffers fill)
+            self._schedule(conn)
+        else:
+            self._watch(conn, True)
+
+    def _schedule(self, conn: _Conn) -> None:
+        if not conn.scheduled and self._loop is not None:
+            conn.scheduled = True
+            self._loop.call_soon(self._turn, conn)
+
+    def answer_waiting(self) -> None:
+        """Before a batch is applied: read every connection that has bytes waiting, and
+        handle the queries (and expectations) at the head of each connection's frames, at
+        most MAX_QUERIES_AHEAD in all. A connection whose own batch is being applied is
+        left alone (its later frames follow that batch)."""
+        if self._answering or not self._conns:
+            return
+        self._answering = True
+        try:
+            ready = {fd for fd, _ in self._poll.poll(0)}
+            budget = MAX_QUERIES_AHEAD
+            for conn in list(self._conns.values()):
+                if conn.busy or conn.fd not in self._conns:
+                    continue
+                if conn.fd in ready and not self._read(conn):
+                    continue
+                while budget and conn.inbox and isinstance(conn.inbox[0], _JUMPS):
+                    budget -= 1
+                    self.jumped += 1
+                    if not self._handle(conn, conn.inbox.popleft()):
+                        break
+                if conn.fd in self._conns and conn.inbox:
+                    self._watch(conn, False)
+                    self._schedule(conn)  # the rest in its order, on the loop
+        finally:
+            self._answering = False
 
 
 def with_suppress_unlink(path: str) -> None:

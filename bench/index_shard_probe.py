@@ -145,11 +145,33 @@ def analyse(
     }
 
 
-def analyse_dir(directory: Path) -> dict[str, object]:
-    """`analyse` over the traces `bench/shard_trace` wrote into `directory`."""
-    sent = [q[0] for f in directory.glob("router-*.json") for q in json.loads(f.read_text())["q"]]
+def analyse_dir(directory: Path, deadline_s: float = 0.01) -> dict[str, object]:
+    """`analyse` over the traces `bench/shard_trace` wrote into `directory`, with the
+    router's asks that took the deadline, and how long each process waited for a CPU."""
+    routers = [json.loads(f.read_text()) for f in sorted(directory.glob("router-*.json"))]
+    asks = [q for r in routers for q in r["q"]]
     shards = [json.loads(f.read_text()) for f in sorted(directory.glob("shard-*.json"))]
-    return {"traced": str(directory.name), "queries_sent": len(sent), **analyse(sent, shards)}
+    waited = {}
+    for role, traces in (("router", routers), ("shard", shards)):
+        for i, t in enumerate(traces):
+            if "schedstat" in t:
+                (cpu0, run0, n0), (cpu1, run1, n1) = (x[:3] for x in t["schedstat"])
+                waited[f"{role}{i}"] = {
+                    "cpu_s": round((cpu1 - cpu0) / 1e9, 2),
+                    "runnable_not_running_s": round((run1 - run0) / 1e9, 2),
+                    "mean_wait_per_timeslice_ms": round((run1 - run0) / 1e6 / max(1, n1 - n0), 3),
+                }
+    return {
+        "traced": str(directory.name),
+        "queries_sent": len(asks),
+        "asks_at_deadline": sum(1 for a in asks if a[1] - a[0] >= deadline_s),
+        "ask_ms": {
+            "p50": pct([(a[1] - a[0]) * 1000 for a in asks], 0.5),
+            "p99": pct([(a[1] - a[0]) * 1000 for a in asks], 0.99),
+        },
+        "cpu_wait": waited,
+        **analyse([a[0] for a in asks], shards),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,7 +2,8 @@
 any run (e.g. `bench.fleet_scale_bench`): with this directory on PYTHONPATH and
 KVROUTE_SHARD_TRACE_DIR set, every index shard process records the start and end of each
 batch it applies and each query it answers, and every router process the start and end of
-each query it sends the shards (the host's monotonic clock), into
+each query it sends the shards (the host's monotonic clock), and its /proc/self/schedstat
+(CPU time, time waiting for a CPU while runnable, timeslices) at start and at each dump, into
 $KVROUTE_SHARD_TRACE_DIR/<role>-<pid>.json every 5 s. Without the variable it does nothing.
 """
 
@@ -52,12 +53,20 @@ def _install() -> None:
         timed(ShardedIndexView, "ask", "q")
     path = os.path.join(_DIR, f"{role}-{os.getpid()}.json")
 
+    def schedstat() -> list[int]:
+        with open("/proc/self/schedstat") as f:
+            return [int(x) for x in f.read().split()]
+
+    sched0 = schedstat()
+
     def dump() -> None:
         while True:
             time.sleep(5.0)
             tmp = path + ".tmp"
             with open(tmp, "w") as f:
-                json.dump({k: list(v) for k, v in trace.items()}, f)
+                out: dict[str, object] = {k: list(v) for k, v in trace.items()}
+                out["schedstat"] = [sched0, schedstat()]
+                json.dump(out, f)
             os.replace(tmp, path)
 
     threading.Thread(target=dump, daemon=True).start()

@@ -97,10 +97,11 @@ def pct(values: list[float] | list[int], q: float) -> float:
 
 
 def analyse(
-    sent: list[float], shard_traces: list[dict[str, list[list[float]]]]
+    sent: list[float], shard_traces: list[dict[str, list[list[float]]]], until: float | None = None
 ) -> dict[str, object]:
-    """Per query a shard answered: its wait, from the latest query send at or before the
-    shard started answering, and the applies the shard did inside that wait."""
+    """Per query a shard answered (before `until`, where the senders' trace ends): its wait,
+    from the latest query send at or before the shard started answering, and the applies
+    the shard did inside that wait."""
     sent = sorted(sent)
     waits, ahead_n, ahead_ms, share = [], [], [], []
     for tr in shard_traces:
@@ -108,6 +109,8 @@ def analyse(
         starts = [a[0] for a in applies]
         for q in tr["q"]:
             t0 = q[-2]
+            if until is not None and t0 > until:
+                continue  # sent after the senders' last trace dump: its send is unknown
             j = bisect.bisect_right(sent, t0) - 1
             if j < 0:
                 continue
@@ -170,7 +173,7 @@ def analyse_dir(directory: Path, deadline_s: float = 0.01) -> dict[str, object]:
             "p99": pct([(a[1] - a[0]) * 1000 for a in asks], 0.99),
         },
         "cpu_wait": waited,
-        **analyse([a[0] for a in asks], shards),
+        **analyse([a[0] for a in asks], shards, max((a[1] for a in asks), default=None)),
     }
 
 

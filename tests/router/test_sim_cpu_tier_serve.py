@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import yaml
 
 from kvroute.testbed.procs import free_port
@@ -212,5 +213,52 @@ def test_a_router_started_after_the_offload_credits_the_cpu_tier_as_an_early_one
                 for prompt in ("a", "a2"):
                     assert tiers(late, prompt) == tiers(early, prompt) == expected(prompt)
                     assert _score(late, prompt)[0]["chosen"] == w0["name"]
+    finally:
+        _stop(*procs)
+
+
+def test_the_router_learns_a_sim_engines_cpu_tier_rate(tmp_path: Path) -> None:
+    """With `policy.learn_cpu_tier_rate`, the rate the router prices w0's CPU tokens at moves
+    from the configured 200k tokens/s to what the engine's loads take: 2.1 Gbit/s at 128 KiB
+    per token is 2,003 tokens/s of modelled time, 40,054 of wall time at speed 20 (the
+    engine's load seconds are wall seconds, as vLLM's are measured ones)."""
+    fleet, info = _start_fleet(tmp_path, "--cpu-offload-gbps", "2.1")
+    modelled = 2.1e9 / 8 / 131072 * 20
+    procs: list[subprocess.Popen[Any]] = [fleet]
+    try:
+        router_proc, router_url = _start_router(
+            tmp_path,
+            policy={"learn_cpu_tier_rate": True},
+            load={"metrics_interval_s": 0.2, "metrics_max_interval_s": 0.2},
+        )
+        procs.insert(0, router_proc)
+        w0 = info["workers"][0]
+        with _admin(router_url) as router:
+            _until(lambda: _all_live(router), "the router never saw the events live")
+
+            def learned() -> float | None:
+                worker = router.get(f"/admin/workers/{w0['name']}").json()
+                value: float | None = worker["load"]["cpu_tier_tokens_per_s_learned"]
+                return value
+
+            assert learned() is None
+            host = 0
+            for _ in range(6):  # each a after b and c is loaded from w0's CPU tier
+                for prompt in ("a", "b", "c"):
+                    usage = _complete(w0["url"], prompt)
+                    host += prompt == "a" and usage["prompt_tokens_details"]["cached_tokens"]
+                time.sleep(0.5)  # a scrape or two between loads
+            assert host > 2048
+            got = _until(
+                lambda: (v := learned()) is not None and abs(v - modelled) < 0.05 * modelled and v,
+                f"the learned rate never came near {modelled:.0f} tokens/s",
+            )
+            # the router prices w0's CPU tokens at it
+            by = _score(router, "a")[1]
+            cpu = by[w0["name"]]["tier_tokens"]["cpu"]
+            assert cpu > 0
+            print(f"learned {got:.0f} tokens/s, modelled {modelled:.0f}")
+            tier_load = by[w0["name"]]["terms"]["tier_load"]
+            assert tier_load == pytest.approx(cpu / got, rel=0.05)
     finally:
         _stop(*procs)

@@ -39,7 +39,6 @@ CPU = events_pb2.Tier.CPU
 STORAGE = events_pb2.Tier.STORAGE
 LOWER_TIERS = (CPU, STORAGE)  # nearest first
 _CLEAR = events_pb2.KvGroupEvent.CLEAR
-_STORE = events_pb2.KvGroupEvent.STORE
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,8 +131,7 @@ class TierIndex:
             )
             runs = 0
             for event in events:
-                if event.operation == _STORE and event.token_ids:
-                    runs = gcd(runs, len(event.block_hashes) * event.block_size)
+                runs = gcd(runs, store_chunk(event))
             view.snapshot_chunk = runs
             if chunk:  # what the bridge learned from the tier's live stores
                 view.live_chunk = chunk

@@ -35,7 +35,10 @@ the state against a small model of these promises).
 Tiers (spec §10): a batch's `tier_events` (CPU, STORAGE) go to one more `EngineState` per
 lower tier, created on first use, with the same bounds; an INVALID or a contradiction there
 discards that tier's view only, a CLEAR in `events` empties every tier. The snapshot carries
-each tier's view in `tier_events` / `tier_lineage`, every event marked with its tier.
+each tier's view in `tier_events` / `tier_lineage`, every event marked with its tier, and in
+`tier_chunks` the chunk each tier's live stores showed (`kvroute.proto.tier_chunk`: the records
+join a chain of chunks into one run, so a subscriber could not tell it from the runs). The
+chunk is the engine's setting: it outlives a CLEAR or an INVALID and goes with a reset.
 
 Building a snapshot of a large state takes a while, so `snapshot_steps` builds the same
 message, tiers included, in bounded steps and serialized pieces, for a caller that keeps the
@@ -57,6 +60,7 @@ from kvroute.bridge import packed_tokens
 from kvroute.bridge.copy_table import MAX_SLOT, CopyTable, Key, hash_of, hashes_of, key_of, keys_of
 from kvroute.bridge.groups import LOWER_TIERS, Groups, with_invalid_before
 from kvroute.proto.events_pb2 import KvEventBatch, KvGroupEvent, Snapshot, SubscribeResponse, Tier
+from kvroute.proto.tier_chunk import store_chunk
 
 if TYPE_CHECKING:
     from google.protobuf.internal.containers import RepeatedCompositeFieldContainer
@@ -203,6 +207,7 @@ class EngineState:
         self.blocks = 0  # live copies
         self.lineage_blocks = 0  # blocks of the records in _lineage
         self._tiers: dict[Tier.ValueType, EngineState] = {}  # lower tier -> its view
+        self.chunk = 0  # a lower tier's view: tokens per offloaded chunk (0: none seen)
 
     # -- queries --------------------------------------------------------------------------
 
@@ -279,7 +284,10 @@ class EngineState:
                 # A tier this bridge does not know never reaches its own output.
                 at = [i for i, event in enumerate(batch.tier_events) if event.tier == tier]
                 if at:
-                    local = self._tier_state(tier)._apply_events(batch.tier_events[i] for i in at)
+                    state = self._tier_state(tier)
+                    for i in at:
+                        state.chunk = max(state.chunk, store_chunk(batch.tier_events[i]))
+                    local = state._apply_events(batch.tier_events[i] for i in at)
                     tier_amended.update(at[i] for i in local)
         self.last_sequence = batch.sequence
         if not amended and not tier_amended:
@@ -552,6 +560,9 @@ class EngineState:
         if self.last_sequence is not None:
             snap.sequence = self.last_sequence
             snap.has_sequence = True
+        for tier, state in sorted(self._tiers.items()):
+            if state.chunk:  # in the first piece, which is always sent
+                snap.tier_chunks.add(tier=tier, tokens=state.chunk)
         yield from self._build_view(sink, budget, Tier.GPU)
         for tier in sorted(self._tiers):
             yield from self._tiers[tier]._build_view(sink, budget, tier)

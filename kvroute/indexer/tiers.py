@@ -10,10 +10,12 @@ prompt tokens the CPU tier and then the storage tier give, with the rule of vLLM
   a chunk counts when every full-attention group holds it in a lower tier, consecutive
   chunks from there, up to the prompt's length;
 - fewer tokens than one chunk beyond the GPU hit give nothing. The chunk is learned from the
-  tier's live stores (one store = one chunk). A snapshot keeps no chunk boundaries (the
-  bridge joins a chain of chunks into one run), so a view built from one assumes the greatest
-  common divisor of its runs, a multiple of the chunk (a lower answer, never higher), until a
-  live store shows the chunk; a chunk learned before the snapshot stays if it divides that;
+  tier's live stores (one store = one chunk, `kvroute.proto.tier_chunk`). A snapshot's runs
+  keep no chunk boundaries (the bridge joins a chain of chunks into one run), so a snapshot
+  says the chunk the bridge learned per tier (`tier_chunks`). From a bridge that predates
+  that field, a view assumes the greatest common divisor of the runs, a multiple of the chunk,
+  until a live store shows the chunk (a chunk learned before the snapshot stays if it divides
+  that): often lower, and wrong where a run starts past a chunk the tier evicted;
 - a worker with a sliding-window or Mamba group gets nothing from lower tiers: vLLM would
   need that group's window or state from the tier too, and publishes those chunks without
   tokens, so no event can confirm them (the answer is lower than vLLM's, never higher);
@@ -31,12 +33,12 @@ from math import gcd
 from kvroute.indexer.group_cache import GroupCache
 from kvroute.indexer.layout import Layout, Rule
 from kvroute.proto import events_pb2
+from kvroute.proto.tier_chunk import store_chunk
 
 CPU = events_pb2.Tier.CPU
 STORAGE = events_pb2.Tier.STORAGE
 LOWER_TIERS = (CPU, STORAGE)  # nearest first
 _CLEAR = events_pb2.KvGroupEvent.CLEAR
-_STORE = events_pb2.KvGroupEvent.STORE
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,10 +113,13 @@ class TierIndex:
 
     def apply_snapshot(self, worker_id: str, snapshot: events_pb2.Snapshot) -> None:
         """Replace the worker's lower tiers with a snapshot's (a tier absent there is empty)."""
+        chunks = {c.tier: c.tokens for c in snapshot.tier_chunks}
         for tier in LOWER_TIERS:
             events = [event for event in snapshot.tier_events if event.tier == tier]
             lineage = [event for event in snapshot.tier_lineage if event.tier == tier]
-            if not events and not lineage and tier not in self._views.get(worker_id, {}):
+            chunk = chunks.get(tier, 0)
+            known = tier in self._views.get(worker_id, {})
+            if not events and not lineage and not chunk and not known:
                 continue
             view = self._view(worker_id, tier)
             part = events_pb2.Snapshot(
@@ -126,18 +131,18 @@ class TierIndex:
             )
             runs = 0
             for event in events:
-                if event.operation == _STORE and event.token_ids:
-                    runs = gcd(runs, len(event.block_hashes) * event.block_size)
+                runs = gcd(runs, store_chunk(event))
             view.snapshot_chunk = runs
-            if not runs or (view.live_chunk and runs % view.live_chunk):
+            if chunk:  # what the bridge learned from the tier's live stores
+                view.live_chunk = chunk
+            elif not runs or (view.live_chunk and runs % view.live_chunk):
                 view.live_chunk = 0
             view.cache.apply_snapshot(part)
 
     @staticmethod
     def _learn_chunk(view: _TierView, events: Sequence[events_pb2.KvGroupEvent]) -> None:
         for event in events:
-            if event.operation == _STORE and event.token_ids:
-                view.live_chunk = max(view.live_chunk, len(event.block_hashes) * event.block_size)
+            view.live_chunk = max(view.live_chunk, store_chunk(event))
 
     def invalidate(self, worker_id: str) -> None:
         """The worker's stream was lost: its lower tiers give nothing until new evidence."""

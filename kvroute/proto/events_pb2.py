@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvroute/proto/events.proto\x12\nkvroute.v1\"\xf2\x02\n\x0cKvGroupEvent\x12\x35\n\toperation\x18\x01 \x01(\x0e\x32\".kvroute.v1.KvGroupEvent.Operation\x12\x10\n\x08group_id\x18\x02 \x01(\r\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x0c\x12\x19\n\x11parent_block_hash\x18\x04 \x01(\x0c\x12\x11\n\ttoken_ids\x18\x05 \x03(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x0c\n\x04kind\x18\x07 \x01(\t\x12\x16\n\x0esliding_window\x18\x08 \x01(\r\x12\x11\n\tlora_name\x18\t \x01(\t\x12\x17\n\x0f\x63\x61\x63he_namespace\x18\n \x01(\t\x12\x13\n\x0bunmatchable\x18\x0b \x01(\x08\x12\x1e\n\x04tier\x18\x0c \x01(\x0e\x32\x10.kvroute.v1.Tier\":\n\tOperation\x12\x0b\n\x07INVALID\x10\x00\x12\t\n\x05STORE\x10\x01\x12\n\n\x06REMOVE\x10\x02\x12\t\n\x05\x43LEAR\x10\x03\"\x9d\x01\n\x0cKvEventBatch\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12\x11\n\ttimestamp\x18\x02 \x01(\x01\x12\x0f\n\x07\x64p_rank\x18\x03 \x01(\r\x12(\n\x06\x65vents\x18\x04 \x03(\x0b\x32\x18.kvroute.v1.KvGroupEvent\x12-\n\x0btier_events\x18\x05 \x03(\x0b\x32\x18.kvroute.v1.KvGroupEvent\"\x9a\x02\n\x08Snapshot\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12\x14\n\x0chas_sequence\x18\x02 \x01(\x08\x12\x0f\n\x07\x64p_rank\x18\x03 \x01(\r\x12(\n\x06\x65vents\x18\x04 \x03(\x0b\x32\x18.kvroute.v1.KvGroupEvent\x12\x11\n\tstream_id\x18\x05 \x01(\t\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12)\n\x07lineage\x18\x07 \x03(\x0b\x32\x18.kvroute.v1.KvGroupEvent\x12-\n\x0btier_events\x18\x08 \x03(\x0b\x32\x18.kvroute.v1.KvGroupEvent\x12.\n\x0ctier_lineage\x18\t \x03(\x0b\x32\x18.kvroute.v1.KvGroupEvent\"^\n\x10SubscribeRequest\x12\x16\n\x0e\x61\x66ter_sequence\x18\x01 \x01(\x04\x12\x0e\n\x06resume\x18\x02 \x01(\x08\x12\x11\n\tstream_id\x18\x03 \x01(\t\x12\x0f\n\x07\x64p_rank\x18\x04 \x01(\r\"s\n\x11SubscribeResponse\x12(\n\x08snapshot\x18\x01 \x01(\x0b\x32\x14.kvroute.v1.SnapshotH\x00\x12)\n\x05\x62\x61tch\x18\x02 \x01(\x0b\x32\x18.kvroute.v1.KvEventBatchH\x00\x42\t\n\x07message*%\n\x04Tier\x12\x07\n\x03GPU\x10\x00\x12\x07\n\x03\x43PU\x10\x01\x12\x0b\n\x07STORAGE\x10\x02\x32V\n\x08KvEvents\x12J\n\tSubscribe\x12\x1c.kvroute.v1.SubscribeRequest\x1a\x1d.kvroute.v1.SubscribeResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvroute/proto/events.proto\x12\nkvroute.v1\"\xf2\x02\n\x0cKvGroupEvent\x12\x35\n\toperation\x18\x01 \x01(\x0e\x32\".kvroute.v1.KvGroupEvent.Operation\x12\x10\n\x08group_id\x18\x02 \x01(\r\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x0c\x12\x19\n\x11parent_block_hash\x18\x04 \x01(\x0c\x12\x11\n\ttoken_ids\x18\x05 \x03(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x0c\n\x04kind\x18\x07 \x01(\t\x12\x16\n\x0esliding_window\x18\x08 \x01(\r\x12\x11\n\tlora_name\x18\t \x01(\t\x12\x17\n\x0f\x63\x61\x63he_namespace\x18\n \x01(\t\x12\x13\n\x0bunmatchable\x18\x0b \x01(\x08\x12\x1e\n\x04tier\x18\x0c \x01(\x0e\x32\x10.kvroute.v1.Tier\":\n\tOperation\x12\x0b\n\x07INVALID\x10\x00\x12\t\n\x05STORE\x10\x01\x12\n\n\x06REMOVE\x10\x02\x12\t\n\x05\x43LEAR\x10\x03\"\x9d\x01\n\x0cKvEventBatch\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12\x11\n\ttimestamp\x18\x02 \x01(\x01\x12\x0f\n\x07\x64p_rank\x18\x03 \x01(\r\x12(\n\x06\x65vents\x18\x04 \x03(\x0b\x32\x18.kvroute.v1.KvGroupEvent\x12-\n\x0btier_events\x18\x05 \x03(\x0b\x32\x18.kvroute.v1.KvGroupEvent\"\xc6\x02\n\x08Snapshot\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12\x14\n\x0chas_sequence\x18\x02 \x01(\x08\x12\x0f\n\x07\x64p_rank\x18\x03 \x01(\r\x12(\n\x06\x65vents\x18\x04 \x03(\x0b\x32\x18.kvroute.v1.KvGroupEvent\x12\x11\n\tstream_id\x18\x05 \x01(\t\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12)\n\x07lineage\x18\x07 \x03(\x0b\x32\x18.kvroute.v1.KvGroupEvent\x12-\n\x0btier_events\x18\x08 \x03(\x0b\x32\x18.kvroute.v1.KvGroupEvent\x12.\n\x0ctier_lineage\x18\t \x03(\x0b\x32\x18.kvroute.v1.KvGroupEvent\x12*\n\x0btier_chunks\x18\n \x03(\x0b\x32\x15.kvroute.v1.TierChunk\";\n\tTierChunk\x12\x1e\n\x04tier\x18\x01 \x01(\x0e\x32\x10.kvroute.v1.Tier\x12\x0e\n\x06tokens\x18\x02 \x01(\r\"^\n\x10SubscribeRequest\x12\x16\n\x0e\x61\x66ter_sequence\x18\x01 \x01(\x04\x12\x0e\n\x06resume\x18\x02 \x01(\x08\x12\x11\n\tstream_id\x18\x03 \x01(\t\x12\x0f\n\x07\x64p_rank\x18\x04 \x01(\r\"s\n\x11SubscribeResponse\x12(\n\x08snapshot\x18\x01 \x01(\x0b\x32\x14.kvroute.v1.SnapshotH\x00\x12)\n\x05\x62\x61tch\x18\x02 \x01(\x0b\x32\x18.kvroute.v1.KvEventBatchH\x00\x42\t\n\x07message*%\n\x04Tier\x12\x07\n\x03GPU\x10\x00\x12\x07\n\x03\x43PU\x10\x01\x12\x0b\n\x07STORAGE\x10\x02\x32V\n\x08KvEvents\x12J\n\tSubscribe\x12\x1c.kvroute.v1.SubscribeRequest\x1a\x1d.kvroute.v1.SubscribeResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvroute.proto.events_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TIER']._serialized_start=1073
-  _globals['_TIER']._serialized_end=1110
+  _globals['_TIER']._serialized_start=1178
+  _globals['_TIER']._serialized_end=1215
   _globals['_KVGROUPEVENT']._serialized_start=43
   _globals['_KVGROUPEVENT']._serialized_end=413
   _globals['_KVGROUPEVENT_OPERATION']._serialized_start=355
@@ -40,11 +40,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_KVEVENTBATCH']._serialized_start=416
   _globals['_KVEVENTBATCH']._serialized_end=573
   _globals['_SNAPSHOT']._serialized_start=576
-  _globals['_SNAPSHOT']._serialized_end=858
-  _globals['_SUBSCRIBEREQUEST']._serialized_start=860
-  _globals['_SUBSCRIBEREQUEST']._serialized_end=954
-  _globals['_SUBSCRIBERESPONSE']._serialized_start=956
-  _globals['_SUBSCRIBERESPONSE']._serialized_end=1071
-  _globals['_KVEVENTS']._serialized_start=1112
-  _globals['_KVEVENTS']._serialized_end=1198
+  _globals['_SNAPSHOT']._serialized_end=902
+  _globals['_TIERCHUNK']._serialized_start=904
+  _globals['_TIERCHUNK']._serialized_end=963
+  _globals['_SUBSCRIBEREQUEST']._serialized_start=965
+  _globals['_SUBSCRIBEREQUEST']._serialized_end=1059
+  _globals['_SUBSCRIBERESPONSE']._serialized_start=1061
+  _globals['_SUBSCRIBERESPONSE']._serialized_end=1176
+  _globals['_KVEVENTS']._serialized_start=1217
+  _globals['_KVEVENTS']._serialized_end=1303
 # @@protoc_insertion_point(module_scope)

@@ -201,6 +201,7 @@ class Snapshot(_message.Message):
     LINEAGE_FIELD_NUMBER: _builtins.int
     TIER_EVENTS_FIELD_NUMBER: _builtins.int
     TIER_LINEAGE_FIELD_NUMBER: _builtins.int
+    TIER_CHUNKS_FIELD_NUMBER: _builtins.int
     sequence: _builtins.int
     """the last engine sequence reflected (meaningful when has_sequence)"""
     has_sequence: _builtins.bool
@@ -228,6 +229,14 @@ class Snapshot(_message.Message):
 
     @_builtins.property
     def tier_lineage(self) -> _containers.RepeatedCompositeFieldContainer[Global___KvGroupEvent]: ...
+    @_builtins.property
+    def tier_chunks(self) -> _containers.RepeatedCompositeFieldContainer[Global___TierChunk]:
+        """Per lower tier, the chunk its live stores showed the bridge: vLLM's offloading connector
+        stores several GPU blocks as one chunk (one STORE each), and a subscriber cannot tell
+        the chunk from `tier_events`, which join a chain of chunks into one run. A tier absent
+        here: no store with tokens seen since the bridge's view (re)started.
+        """
+
     def __init__(
         self,
         *,
@@ -240,14 +249,39 @@ class Snapshot(_message.Message):
         lineage: _abc.Iterable[Global___KvGroupEvent] | None = ...,
         tier_events: _abc.Iterable[Global___KvGroupEvent] | None = ...,
         tier_lineage: _abc.Iterable[Global___KvGroupEvent] | None = ...,
+        tier_chunks: _abc.Iterable[Global___TierChunk] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dp_rank", b"dp_rank", "events", b"events", "has_sequence", b"has_sequence", "lineage", b"lineage", "reason", b"reason", "sequence", b"sequence", "stream_id", b"stream_id", "tier_events", b"tier_events", "tier_lineage", b"tier_lineage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dp_rank", b"dp_rank", "events", b"events", "has_sequence", b"has_sequence", "lineage", b"lineage", "reason", b"reason", "sequence", b"sequence", "stream_id", b"stream_id", "tier_chunks", b"tier_chunks", "tier_events", b"tier_events", "tier_lineage", b"tier_lineage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Snapshot: _TypeAlias = Snapshot  # noqa: Y015
+
+@_typing.final
+class TierChunk(_message.Message):
+    """Tokens per offloaded chunk of a lower tier (block hashes x block size of its STOREs)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TIER_FIELD_NUMBER: _builtins.int
+    TOKENS_FIELD_NUMBER: _builtins.int
+    tier: Global___Tier.ValueType
+    tokens: _builtins.int
+    def __init__(
+        self,
+        *,
+        tier: Global___Tier.ValueType = ...,
+        tokens: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["tier", b"tier", "tokens", b"tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TierChunk: _TypeAlias = TierChunk  # noqa: Y015
 
 @_typing.final
 class SubscribeRequest(_message.Message):

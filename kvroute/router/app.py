@@ -344,6 +344,7 @@ def create_app(
         base_s=cfg.load.metrics_interval_s,
         max_s=cfg.load.metrics_max_interval_s,
         kv_quiet_below=KV_QUIET_FRACTION * cfg.policy.kv_usage_saturation,
+        cpu_tier_rate=cfg.policy.learn_cpu_tier_rate,
     )
 
     async def peak_blocks(worker: Worker) -> None:

@@ -119,6 +119,11 @@ class PolicyConfig:
         "offloaded KV: tokens/s (> 0) a worker loads from its CPU tier instead of prefilling them; "
         "host-to-GPU bandwidth / KV bytes per token (200k: PCIe 4 x16 at 128 KiB per token)",
     )
+    learn_cpu_tier_rate: bool = _f(
+        False,
+        "price each worker's CPU-tier tokens at the load rate its engine's /metrics report; "
+        "cpu_tier_tokens_per_s is the rate until learned, and bounds it (within 100x)",
+    )
     storage_tier_tokens_per_s: float = _f(
         30_000.0,
         "offloaded KV: tokens/s (> 0) a worker loads from its storage tier (disk, remote store); "

@@ -111,14 +111,14 @@ def test_cpu_tier_events_reach_the_routers_index_per_tier() -> None:
             await eventually(lambda: router.answer() == (32, TierReuse(cpu=96)))
             assert router.index.tier_blocks("w0") == {Tier.CPU: 8}
 
-            # A router that subscribes now gets the tiers in its snapshot.
+            # A router that subscribes now gets the tiers in its snapshot, and the chunk
+            # with them (the snapshot joins the two chunks into one run).
             late = make_router()
             await late.events.start()
             await late.live()
-            # (its snapshot joins the two chunks into one run: a multiple of the chunk, so
-            # it credits whole runs only until a live store shows the chunk)
             await eventually(lambda: late.index.tier_blocks("w0") == {Tier.CPU: 8})
-            assert late.answer() == (32, None)
+            assert late.answer() == (32, TierReuse(cpu=96))
+            assert late.answer(150) == (32, TierReuse(cpu=96))
             await engine.publish([cpu_chunk(8)])  # the third chunk offloaded again
             await eventually(lambda: late.answer() == (32, TierReuse(cpu=160)))
             await eventually(lambda: router.answer() == (32, TierReuse(cpu=160)))

@@ -200,3 +200,30 @@ def test_a_snapshot_of_joined_chunks_assumes_a_multiple_until_a_live_store() -> 
     warm.apply("w", first)
     warm.apply_snapshot("w", snapshot)
     assert warm.split("w", LAYOUT, KEYS[2], n, CHUNK) == TierTokens(CHUNK, 3 * CHUNK)
+
+
+def test_a_snapshot_with_the_bridges_chunk_needs_no_live_store() -> None:
+    snapshot = Snapshot(sequence=5, has_sequence=True)
+    snapshot.tier_events.append(joined(2, 4, Tier.CPU))
+    snapshot.tier_chunks.add(tier=Tier.CPU, tokens=CHUNK)
+    n = len(PROMPTS[2])
+    late = TierIndex()
+    late.apply_snapshot("w", snapshot)
+    assert late.split("w", LAYOUT, KEYS[2], n, CHUNK) == TierTokens(CHUNK, 3 * CHUNK)
+    assert late.split("w", LAYOUT, KEYS[2], 3 * CHUNK, 0) == TierTokens(0, 3 * CHUNK)
+    # the bridge's chunk replaces one the router had (an engine restarted with another)
+    warm = TierIndex()
+    first = KvEventBatch(sequence=0)
+    first.tier_events.append(joined(0, 2, Tier.CPU))  # a store of two chunks: 2 x CHUNK
+    warm.apply("w", first)
+    warm.apply_snapshot("w", snapshot)
+    assert warm.split("w", LAYOUT, KEYS[2], n, CHUNK) == TierTokens(CHUNK, 3 * CHUNK)
+    # a tier the snapshot holds nothing of keeps its chunk for the stores to come
+    empty = Snapshot(sequence=6, has_sequence=True)
+    empty.tier_chunks.add(tier=Tier.CPU, tokens=CHUNK)
+    late.apply_snapshot("w", empty)
+    assert late.split("w", LAYOUT, KEYS[2], n, 0) == TierTokens(0)
+    live = KvEventBatch(sequence=7)
+    live.tier_events.extend(chunk_event(STORE, 2, c, Tier.CPU) for c in range(2))
+    late.apply("w", live)
+    assert late.split("w", LAYOUT, KEYS[2], n, CHUNK) == TierTokens(CHUNK, CHUNK)

@@ -77,3 +77,25 @@ def test_the_term_is_off_without_lower_tiers() -> None:
         assert all(c.terms["tier_load"] == 0.0 for c in by.values())
     assert [c.est_ttft_s for c in plain.candidates] == [c.est_ttft_s for c in empty.candidates]
     assert plain.detail == empty.detail and "loading" not in plain.detail
+
+
+def test_a_learned_rate_prices_its_workers_cpu_tokens() -> None:
+    reuse = {"w0": 0, "w1": 0, "w2": 0}
+    tiers = {"w0": TierReuse(cpu=4000), "w1": TierReuse(cpu=4000, storage=1000)}
+    config = PolicyConfig(learn_cpu_tier_rate=True)
+    policy = make_policy(config, LoadModel(config, lambda: 1000.0, 5.0))
+    workers = fleet(3)
+    w0 = workers[0].load.cpu_tier
+    w0.observe(0.0, 0.0)
+    for i in range(1, 6):  # w0's engine loads at 40k tokens/s; w1 has shown nothing yet
+        w0.observe(1000.0 * i, 1000.0 * i / 40_000.0)
+    d = policy.decide(workers, RouteInput(N, reuse, None, tiers=tiers), 0.0)
+    by = {c.name: c for c in d.candidates}
+    storage = 1000 / config.storage_tier_tokens_per_s
+    assert by["w0"].terms["tier_load"] == pytest.approx(4000 / 40_000.0)
+    assert by["w1"].terms["tier_load"] == pytest.approx(
+        4000 / config.cpu_tier_tokens_per_s + storage
+    )
+    # the setting off: the configured rate for everyone
+    _, by, cfg = decide(RouteInput(N, reuse, None, tiers=tiers))
+    assert by["w0"].terms["tier_load"] == pytest.approx(4000 / cfg.cpu_tier_tokens_per_s)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 from collections import Counter
 
+import httpx
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -16,9 +17,11 @@ from kvroute.indexer import FleetIndex, TierIndex, content_keys
 from kvroute.sim.cache import SimCache
 from kvroute.sim.cache_api import CacheRequest, CacheSpec, GroupSpec
 from kvroute.sim.engine.core import EngineConfig
+from kvroute.sim.engine.metrics import CACHE_HIT_SOURCES
 from kvroute.sim.engine.scheduler import Scheduler
 from kvroute.sim.events import BlockRemoved, BlockStored, KvEvent
 from kvroute.sim.offload import ChunkInfo, CpuTier, OffloadConfig, OffloadConnector
+from kvroute.sim.server import SimEngineThread
 
 BYTES_PER_TOKEN = 10.0
 
@@ -299,3 +302,52 @@ def test_options_that_do_not_go_together_are_refused() -> None:
         EngineConfig(profile="swa", cpu_offload=OffloadConfig(1 << 30)).cache_spec()
     with pytest.raises(ValueError, match="positive"):
         OffloadConfig(0)
+
+
+def _series(page: str) -> dict[str, float]:
+    """A Prometheus page's samples of the offloading and cache-source series, by name (and
+    source), summed over the other labels."""
+    out: dict[str, float] = {}
+    for line in page.splitlines():
+        if line.startswith(("vllm:kv_offload", "vllm:prompt_tokens_cached_by_source_total")):
+            series, value = line.rsplit(" ", 1)
+            name = series.split("{")[0]
+            if 'source="' in series:
+                name += ":" + series.split('source="')[1].split('"')[0]
+            elif 'le="' in series:
+                continue
+            out[name] = out.get(name, 0.0) + float(value)
+    return out
+
+
+def test_the_engine_exports_vllms_load_series_for_its_tier() -> None:
+    """vLLM's names and meaning (offloading/metrics.py): bytes and copy seconds of every
+    finished load, and a histogram of load sizes; the tokens in `source="host"`."""
+    speed, link = 50.0, 2.0e9  # bytes/s, so that a load of 592 tokens takes 0.78 ms here
+    offload = OffloadConfig(1 << 30, bytes_per_s=link, chunk_blocks=1)
+    config = EngineConfig(speed=speed, num_blocks=80, max_model_len=1024, cpu_offload=offload)
+    prompts = {name: list(range(base, base + 600)) for name, base in (("a", 1000), ("b", 2000))}
+    prompts["c"] = list(range(3000, 3600))
+    with SimEngineThread(config) as sim, httpx.Client(base_url=sim.url, timeout=20) as client:
+
+        def complete(name: str) -> None:
+            body = {"model": "kvroute-sim", "prompt": prompts[name], "max_tokens": 1}
+            assert client.post("/v1/completions", json=body).status_code == 200
+
+        page = client.get("/metrics").text
+        assert "# HELP vllm:kv_offload_load_bytes" in page
+        assert not _series(page).keys() - {  # no load yet: declared, with no sample
+            f"vllm:prompt_tokens_cached_by_source_total:{source}" for source in CACHE_HIT_SOURCES
+        }
+        for name in ("a", "b", "c", "a"):  # b and c push a out of the GPU pool
+            complete(name)
+        got = _series(client.get("/metrics").text)
+    host = got["vllm:prompt_tokens_cached_by_source_total:host"]
+    assert host > 300
+    assert got["vllm:kv_offload_load_bytes_total"] == host * 131072
+    assert got["vllm:kv_offload_load_time_total"] == pytest.approx(host * 131072 / link / speed)
+    assert got["vllm:kv_offload_load_size_count"] == 1
+    assert got["vllm:kv_offload_load_size_sum"] == host * 131072
+    # an engine without a CPU tier has none of these series
+    with SimEngineThread(EngineConfig(speed=speed)) as plain:
+        assert "vllm:kv_offload" not in httpx.get(plain.url + "/metrics").text

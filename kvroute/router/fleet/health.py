@@ -16,6 +16,7 @@ import msgspec
 from kvroute.router.config import HealthConfig
 from kvroute.router.edge.upstream import Upstream, UpstreamError
 from kvroute.router.fleet.capacity import parse_cache_config
+from kvroute.router.fleet.cpu_tier_rate import parse_cpu_tier_counters
 from kvroute.router.fleet.load import EngineMetrics, parse_engine_metrics
 from kvroute.router.fleet.workers import Worker, WorkerRegistry
 from kvroute.router.ops.metrics import RouterMetrics
@@ -171,7 +172,9 @@ KV_QUIET_FRACTION = 0.9
 
 
 class MetricsProbe:
-    """GET /metrics: the engine's running / waiting requests and KV usage for this DP rank.
+    """GET /metrics: the engine's running / waiting requests and KV usage for this DP rank, and
+    with `cpu_tier_rate` the counters its CPU-tier load rate is learned from
+    (`kvroute.router.fleet.cpu_tier_rate`).
 
     Each worker is read every `base_s` while its pages show something this process does not
     know (another router's requests, KV usage at `kv_quiet_below` or more), otherwise less
@@ -185,8 +188,10 @@ class MetricsProbe:
         base_s: float = 1.0,
         max_s: float = 1.0,
         kv_quiet_below: float = 1.0,
+        cpu_tier_rate: bool = False,
     ) -> None:
         self._upstream = upstream
+        self._cpu_tier_rate = cpu_tier_rate
         self._clock = clock
         self._base = base_s
         self._max = max_s
@@ -214,6 +219,10 @@ class MetricsProbe:
         cache = parse_cache_config(text, worker.spec.dp_rank)
         if cache is not None:
             load.capacity.engine = cache
+        if self._cpu_tier_rate:
+            counters = parse_cpu_tier_counters(text, worker.spec.dp_rank)
+            if counters is not None:
+                load.cpu_tier.observe(*counters)
         running, waiting, usage = parsed
         now = self._clock()
         # A request sent while the scrape was on its way may already be in the engine's

@@ -13,6 +13,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvroute.router.fleet.capacity import KvCapacity
+from kvroute.router.fleet.cpu_tier_rate import CpuTierRate
+from kvroute.router.fleet.prom_page import sum_series
 from kvroute.router.fleet.step_clock import StepClock
 
 RUNNING = "vllm:num_requests_running"
@@ -76,6 +78,7 @@ class WorkerLoad:
     steps: StepClock = field(default_factory=StepClock)  # learned from relayed stream chunks
     scrape: ScrapeBackoff = field(default_factory=ScrapeBackoff)
     capacity: KvCapacity = field(default_factory=KvCapacity)  # the engine's and the events'
+    cpu_tier: CpuTierRate = field(default_factory=CpuTierRate)  # learned from /metrics
 
     def others(self, now: float, stale_after: float) -> tuple[int, int]:
         """(running, waiting) requests the engine had that this process did not send."""
@@ -198,47 +201,13 @@ class PrefillRateEstimate:
 
 
 def parse_engine_metrics(text: str, dp_rank: int) -> tuple[float, float, float | None] | None:
-    """(running, waiting, kv_usage) for `dp_rank` from a Prometheus text page, or None.
-
-    Samples carrying an `engine` label count only for that rank; samples without one count for
-    any rank. Series are summed over other labels (model_name). Only the three series are looked
-    up (str.find), so a large page costs little.
-    """
-    running = _sum_series(text, RUNNING, dp_rank)
-    waiting = _sum_series(text, WAITING, dp_rank)
+    """(running, waiting, kv_usage) for `dp_rank` from a Prometheus text page, or None (each
+    series summed as `kvroute.router.fleet.prom_page.sum_series` does)."""
+    running = sum_series(text, RUNNING, dp_rank)
+    waiting = sum_series(text, WAITING, dp_rank)
     if running is None and waiting is None:
         return None
-    usage = _sum_series(text, KV_USAGE, dp_rank)
+    usage = sum_series(text, KV_USAGE, dp_rank)
     if usage is None:
-        usage = _sum_series(text, KV_USAGE_OLD, dp_rank)
+        usage = sum_series(text, KV_USAGE_OLD, dp_rank)
     return running or 0.0, waiting or 0.0, usage
-
-
-def _sum_series(text: str, name: str, dp_rank: int) -> float | None:
-    total: float | None = None
-    rank_label = f'engine="{dp_rank}"'
-    start = 0
-    while True:
-        at = text.find(name, start)
-        if at < 0:
-            return total
-        start = at + len(name)
-        if at > 0 and text[at - 1] != "\n":
-            continue  # inside a comment or another series' name
-        end = text.find("\n", start)
-        line = text[start : end if end >= 0 else len(text)]
-        if line[:1] == "{":
-            close = line.find("}")
-            labels = line[1:close]
-            value_text = line[close + 1 :]
-            if 'engine="' in labels and rank_label not in labels:
-                continue
-        elif line[:1] == " ":
-            value_text = line
-        else:
-            continue  # a longer name with this prefix (e.g. _total, _bucket)
-        try:
-            value = float(value_text.split()[0])
-        except (ValueError, IndexError):
-            continue
-        total = value if total is None else total + value

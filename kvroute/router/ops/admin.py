@@ -219,6 +219,8 @@ class Admin:
                 "queued_prefill_tokens": w.load.queued_prefill_tokens,
                 "requests_total": w.load.started_total,
                 "step_period_s": w.load.steps.period,
+                # None until learned (policy.learn_cpu_tier_rate), and unbounded
+                "cpu_tier_tokens_per_s_learned": w.load.cpu_tier.learned,
                 "engine": None
                 if m is None
                 else {

@@ -169,6 +169,8 @@ class Engine:
         self.publisher = publisher
         self.metrics = EngineMetrics(config.model)
         self.metrics.cache_config(config.cache_spec())
+        if config.cpu_offload is not None:
+            self.metrics.offloading()
         self._vocab = word_token_ids(self.tokenizer)
         self._new_core()
         self.handles: dict[str, RequestHandle] = {}
@@ -212,7 +214,8 @@ class Engine:
             max_num_scheduled_tokens=self.config.max_num_batched_tokens,
             offload=offload,
         )
-        self._loads: dict[str, float] = {}  # request -> loop time its CPU-tier load is done
+        # request -> (loop time its CPU-tier load is done, its bytes, the seconds it takes)
+        self._loads: dict[str, tuple[float, float, float]] = {}
         self._reported_queries = self._reported_hits = self._reported_preempt = 0
 
     # ---- lifecycle ----------------------------------------------------------------------
@@ -401,7 +404,8 @@ class Engine:
                 self._wake.clear()
                 wait = 0.05
                 if self._loads:  # nothing to run until a load from the CPU tier is done
-                    wait = min(wait, max(0.0, min(self._loads.values()) - loop.time()))
+                    done = min(ready for ready, _, _ in self._loads.values())
+                    wait = min(wait, max(0.0, done - loop.time()))
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), wait)
                 next_t = loop.time()
@@ -442,12 +446,14 @@ class Engine:
         for rid, tokens in plan.loads:
             if offload is not None:
                 seconds = offload.load_seconds(tokens) * self.slowdown / self.config.speed
-                self._loads[rid] = now + seconds
+                self._loads[rid] = (now + seconds, offload.load_bytes(tokens), seconds)
 
     def _finish_loads(self, now: float) -> None:
-        for rid, ready in list(self._loads.items()):
+        for rid, (ready, num_bytes, seconds) in list(self._loads.items()):
             if ready <= now:
                 del self._loads[rid]
+                # vLLM counts a load's bytes and copy time when the copy is done
+                self.metrics.offload_loaded(num_bytes, seconds)
                 self.scheduler.load_done(rid)
 
     def _arrived_by(self, t: float, request_id: str) -> bool:

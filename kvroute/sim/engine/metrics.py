@@ -15,6 +15,8 @@ LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
 LABELS = ("model_name", "engine")
 # vLLM's CacheHitSource values (vllm/v1/metrics/cache_hit_source.py), every one exported at 0
 CACHE_HIT_SOURCES = ("device", "host", "p2p", "disk", "external_unspecified")
+# vLLM's TRANSFER_SIZE_BUCKETS (distributed/kv_transfer/kv_connector/v1/offloading/metrics.py)
+TRANSFER_SIZE_BUCKETS = (1e6, 5e6, 10e6, 20e6, 40e6, 60e6, 80e6, 100e6, 150e6, 200e6)
 
 
 class EngineMetrics:
@@ -101,6 +103,37 @@ class EngineMetrics:
             str(kv_cache_size_tokens(spec)),
             self._labels[1],
         ).set(1)
+
+    def offloading(self) -> None:
+        """Declare the CPU tier's load series as vLLM's offloading connector does
+        (`get_connector_metric_definitions` in its offloading/metrics.py): an engine without
+        a CPU tier has none, and each series appears at its first load."""
+        r = self.registry
+        self._load_bytes = Counter(
+            "vllm:kv_offload_load_bytes",
+            "Total bytes loaded from offload storage to GPU.",
+            LABELS,
+            registry=r,
+        )
+        self._load_time = Counter(
+            "vllm:kv_offload_load_time",
+            "Total load time from offload storage to GPU, in seconds.",
+            LABELS,
+            registry=r,
+        )
+        self._load_size = Histogram(
+            "vllm:kv_offload_load_size",
+            "Histogram of KV offload load operation size, in bytes.",
+            LABELS,
+            buckets=TRANSFER_SIZE_BUCKETS,
+            registry=r,
+        )
+
+    def offload_loaded(self, num_bytes: float, seconds: float) -> None:
+        """One finished load from the CPU tier: its bytes and the time the copy took."""
+        self._load_bytes.labels(*self._labels).inc(num_bytes)
+        self._load_time.labels(*self._labels).inc(seconds)
+        self._load_size.labels(*self._labels).observe(num_bytes)
 
     def cached_by_source(self, source: str, tokens: int) -> None:
         """Count prompt tokens a request found cached in `source` (one of CACHE_HIT_SOURCES)."""

@@ -171,9 +171,13 @@ class OffloadConnector:
             state.stored_upto = -(-end // self.chunk_tokens)
         return hit
 
+    def load_bytes(self, tokens: int) -> float:
+        """The KV bytes a load of `tokens` tokens copies from the tier to the GPU."""
+        return tokens * self.kv_bytes_per_token
+
     def load_seconds(self, tokens: int) -> float:
         """Modelled time to copy `tokens` tokens' KV from the tier to the GPU."""
-        return tokens * self.kv_bytes_per_token / self.config.bytes_per_s
+        return self.load_bytes(tokens) / self.config.bytes_per_s
 
     def load_done(self, request_id: str) -> None:
         """The request's load finished: its chunks may be evicted again."""

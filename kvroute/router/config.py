@@ -210,8 +210,12 @@ class PdConfig:
         "131072)",
     )
     running_s: float = _f(
-        0.002,
-        "decode cost charged per sequence already running on a decode worker, seconds (>= 0)",
+        0.00012,
+        "decode cost charged per sequence already running on a decode worker, seconds (>= 0): "
+        "what one more sequence adds to a decode step, its per-sequence overhead plus reading "
+        "its KV (context tokens x kv_bytes_per_token over the GPU's memory bandwidth); default "
+        "Llama-3.1-8B BF16 on one H100, 15 us + 2,064 tokens x 131,072 B / 2.58 TB/s "
+        "(docs/decisions/pd-decode-choice.md)",
     )
     learn_link: bool = _f(
         False,

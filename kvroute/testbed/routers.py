@@ -175,6 +175,13 @@ ROUTERS: dict[str, RouterSpec] = {
             # default), so only GPU reuse draws a request
             (("KVROUTE_POLICY__CPU_TIER_TOKENS_PER_S", "20000"),),
         ),
+        RouterSpec(
+            "kvroute-pd-running-2ms",
+            "kvroute (default, 2 ms per running decode sequence, the earlier charge)",
+            "kvroute",
+            "ttft",
+            (("KVROUTE_PD__RUNNING_S", "0.002"),),
+        ),
         RouterSpec("kvroute-session", "kvroute session affinity", "kvroute", "session"),
         RouterSpec("kvroute-least-load", "kvroute least load", "kvroute", "least_load"),
         RouterSpec("kvroute-round-robin", "kvroute round robin", "kvroute", "round_robin"),

@@ -3,9 +3,12 @@
 A decode worker pulls from the prefill worker only the prompt blocks it does not hold yet
 (vLLM's NIXL connector reads just those), so a worker that decoded the conversation's earlier
 turns pulls little. Each candidate is priced in seconds: the transfer of the prompt tokens it
-lacks at the configured link bandwidth, plus a charge per sequence it already runs. Saturated
-workers (KV usage or running sequences at the policy's limits) are passed over while another
-can take the request.
+lacks at the configured link bandwidth, plus a charge per sequence it already runs
+(`pd.running_s`: what one more sequence adds to a decode step, about 0.12 ms for
+Llama-3.1-8B on an H100, so a running sequence weighs about three blocks of transfer at
+400 Gb/s and a conversation goes back to the decode worker holding its history unless that
+one is much busier; docs/decisions/pd-decode-choice.md). Saturated workers (KV usage or
+running sequences at the policy's limits) are passed over while another can take the request.
 """
 
 from __future__ import annotations

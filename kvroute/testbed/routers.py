@@ -19,6 +19,7 @@ A router is ready when its ``/v1/models`` lists the fleet's model.
 
 from __future__ import annotations
 
+import http.client
 import importlib.util
 import json
 import secrets
@@ -369,7 +370,9 @@ def _lists_model(url: str, model: str) -> bool:
     try:
         with urllib.request.urlopen(url + "/v1/models", timeout=2.0) as resp:
             data = json.loads(resp.read())
-    except (urllib.error.URLError, OSError, ValueError):
+    # HTTPException: something not HTTP answered on the port before the router bound it (a
+    # port another process took between free_port and the router's bind)
+    except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException):
         return False
     return any(m.get("id") == model for m in data.get("data") or [])
 

@@ -211,11 +211,8 @@ class PdConfig:
     )
     running_s: float = _f(
         0.00012,
-        "decode cost charged per sequence already running on a decode worker, seconds (>= 0): "
-        "what one more sequence adds to a decode step, its per-sequence overhead plus reading "
-        "its KV (context tokens x kv_bytes_per_token over the GPU's memory bandwidth); default "
-        "Llama-3.1-8B BF16 on one H100, 15 us + 2,064 tokens x 131,072 B / 2.58 TB/s "
-        "(docs/decisions/pd-decode-choice.md)",
+        "seconds (>= 0) charged per sequence running on a decode worker: what one more adds to "
+        "a decode step (Llama-3.1-8B, H100, 2k context; see docs/policy.md to rescale)",
     )
     learn_link: bool = _f(
         False,

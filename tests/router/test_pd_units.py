@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from kvroute.router.config import BreakerConfig, PdConfig, PolicyConfig, WorkerSpec
+from kvroute.router.config import PdConfig, PolicyConfig
 from kvroute.router.edge.pd_wire import (
     HandoffError,
     decode_body,
@@ -16,22 +16,12 @@ from kvroute.router.edge.pd_wire import (
     splittable,
 )
 from kvroute.router.fleet.load import EngineMetrics, LoadTicket
-from kvroute.router.fleet.workers import Worker, WorkerRegistry
 from kvroute.router.routing.decode_choice import choose_decode
 from kvroute.router.routing.link_rate import LinkRate
 from kvroute.router.routing.policy import LoadModel
+from tests.router.decode_workers import decoders
 
 PD = PdConfig(link_gbps=8.0, kv_bytes_per_token=1000, running_s=0.01)  # 1 us per token
-
-
-def decoders(n: int) -> list[Worker]:
-    reg = WorkerRegistry(BreakerConfig())
-    return [
-        reg.add(
-            WorkerSpec(name=f"d{i}", url=f"http://127.0.0.1:{9100 + i}", model="m", role="decode")
-        )
-        for i in range(n)
-    ]
 
 
 def load_model() -> LoadModel:

@@ -16,27 +16,18 @@ from pathlib import Path
 
 import pytest
 
-from kvroute.router.config import BreakerConfig, PdConfig, PolicyConfig, WorkerSpec
+from kvroute.router.config import PdConfig, PolicyConfig
 from kvroute.router.fleet.load import LoadTicket
-from kvroute.router.fleet.workers import Worker, WorkerRegistry
+from kvroute.router.fleet.workers import Worker
 from kvroute.router.routing.decode_choice import choose_decode
 from kvroute.router.routing.policy import LoadModel
 from kvroute.sim.timing import DEFAULT_GPU
+from tests.router.decode_workers import decoders
 
 BLOCK = 16
 # the mean context of a decoding sequence on the generator's default trace (dev seeds 0-2 of
 # bench/results/2026-12-06-pd-routing: prompt plus the output so far, per decode step)
 MEAN_DECODE_CONTEXT = 2064
-
-
-def decoders(n: int) -> list[Worker]:
-    reg = WorkerRegistry(BreakerConfig())
-    return [
-        reg.add(
-            WorkerSpec(name=f"d{i}", url=f"http://127.0.0.1:{9200 + i}", model="m", role="decode")
-        )
-        for i in range(n)
-    ]
 
 
 def running(worker: Worker, n: int) -> None:

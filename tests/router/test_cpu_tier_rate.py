@@ -34,6 +34,16 @@ class Counters:
         self.rate.observe(self.tokens, self.seconds)
 
 
+def engine_at(tokens_per_s: float, loads: int = 5) -> Counters:
+    """An estimator that saw a baseline, then `loads` loads of 1,000 tokens, each scraped."""
+    engine = Counters(CpuTierRate())
+    engine.scrape()
+    for _ in range(loads):
+        engine.load(1000.0, tokens_per_s)
+        engine.scrape()
+    return engine
+
+
 def test_no_data_prices_at_the_configured_rate() -> None:
     rate = CpuTierRate()
     assert rate.learned is None and rate.tokens_per_s(CONFIGURED) == CONFIGURED
@@ -68,12 +78,8 @@ def test_tokens_and_time_seen_in_different_scrapes_are_joined() -> None:
 
 
 def test_the_rate_follows_a_change_smoothly() -> None:
-    rate = CpuTierRate()
-    engine = Counters(rate)
-    engine.scrape()
-    for _ in range(10):
-        engine.load(1000.0, 50_000.0)
-        engine.scrape()
+    engine = engine_at(50_000.0, loads=10)
+    rate = engine.rate
     seen = []
     for _ in range(15):
         engine.load(1000.0, 100_000.0)
@@ -86,12 +92,8 @@ def test_the_rate_follows_a_change_smoothly() -> None:
 
 
 def test_a_counter_reset_starts_a_new_baseline_and_keeps_what_was_learned() -> None:
-    rate = CpuTierRate()
-    engine = Counters(rate)
-    engine.scrape()
-    for _ in range(5):
-        engine.load(1000.0, 50_000.0)
-        engine.scrape()
+    engine = engine_at(50_000.0)
+    rate = engine.rate
     joins = rate.joins
     engine.tokens, engine.seconds = 300.0, 0.001  # the engine restarted (and loaded since)
     engine.scrape()
@@ -108,12 +110,8 @@ def test_a_counter_reset_starts_a_new_baseline_and_keeps_what_was_learned() -> N
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf, -1.0])
 def test_values_that_are_no_counter_are_ignored(bad: float) -> None:
-    rate = CpuTierRate()
-    engine = Counters(rate)
-    engine.scrape()
-    for _ in range(5):
-        engine.load(1000.0, 50_000.0)
-        engine.scrape()
+    engine = engine_at(50_000.0)
+    rate = engine.rate
     joins = rate.joins
     rate.observe(bad, engine.seconds)
     rate.observe(engine.tokens, bad)
@@ -128,12 +126,7 @@ def test_values_that_are_no_counter_are_ignored(bad: float) -> None:
 
 def test_an_absurd_rate_is_bounded_and_untimed_loads_teach_nothing() -> None:
     for tokens_per_s, priced in ((1e12, CONFIGURED * BOUND), (1.0, CONFIGURED / BOUND)):
-        rate = CpuTierRate()
-        engine = Counters(rate)
-        engine.scrape()
-        for _ in range(5):
-            engine.load(1000.0, tokens_per_s)
-            engine.scrape()
+        rate = engine_at(tokens_per_s).rate
         assert rate.learned == pytest.approx(tokens_per_s)
         assert rate.tokens_per_s(CONFIGURED) == pytest.approx(priced)
     # a connector that does not time its loads: tokens only, the configured rate stays

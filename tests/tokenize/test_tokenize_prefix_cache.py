@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 from pathlib import Path
 from typing import Any
 
@@ -356,7 +357,7 @@ def test_chunk_digests_commit_to_the_prefix() -> None:
 
 
 def _insert(cache: PrefixCache, text_: str, anchor: int, n_ids: int, seed: int = 0) -> None:
-    cache.insert(text_, cache.digests(text_, seed), anchor, anchor + 4, list(range(n_ids)))
+    cache.insert(text_, cache.digests(text_, seed), list(range(n_ids)), [(anchor, n_ids)], 4)
 
 
 def test_lookup_returns_the_longest_matching_prefix() -> None:
@@ -450,9 +451,9 @@ def test_verification_turns_the_cache_off_on_a_mismatch(model_dirs: dict[str, Pa
     messages = [{"role": "user", "content": "hello " * 50}]
     tok.chat_ids({"model": "m", "messages": messages})
     # corrupt the cache: every stored id becomes 0
-    for entry in tok.cache._lru.values():
-        for i in range(len(entry.ids)):
-            entry.ids[i] = 0
+    for record in tok.cache._lru.values():
+        for i in range(len(record.ids)):
+            record.ids[i] = 0
     messages = [*messages, {"role": "assistant", "content": "x"}, {"role": "user", "content": "y"}]
     body = {"model": "m", "messages": messages}
     ids, stats = tok.chat_ids(body)
@@ -460,3 +461,114 @@ def test_verification_turns_the_cache_off_on_a_mismatch(model_dirs: dict[str, Pa
     assert stats.cache_hit
     assert ids == tok.encoder.encode(text_)  # the verified (fresh) ids are returned
     assert called == [1] and not tok.cache_enabled and tok.cache.stats().entries == 0
+
+
+# ---- checkpoints: a text that departs from a cached one before its end ----------------------
+
+
+def test_a_record_answers_at_each_of_its_marks() -> None:
+    cache = PrefixCache(100, 1 << 20)
+    base = "".join(chr(65 + i % 26) for i in range(3000))
+    ids = list(range(90))
+    cache.insert(base, cache.digests(base), ids, [(700, 20), (1600, 50), (2900, 90)], 4)
+    assert cache.stats().entries == 1
+    for depart, anchor, n in ((2950, 2900, 90), (2000, 1600, 50), (1000, 700, 20)):
+        departed = base[:depart] + "!" * 600
+        hit = cache.lookup(departed, cache.digests(departed))
+        assert hit is not None and hit.anchor == anchor and list(hit.ids) == ids[:n], depart
+    departed = base[:500] + "!" * 600
+    assert cache.lookup(departed, cache.digests(departed)) is None
+
+
+def test_evicting_a_record_drops_every_mark_but_those_taken_over() -> None:
+    cache = PrefixCache(1, 1 << 20)
+    a = "".join(chr(65 + i % 26) for i in range(3000))
+    cache.insert(a, cache.digests(a), list(range(90)), [(700, 20), (2900, 90)], 4)
+    # b shares a's text through the first mark's guard region and files the same mark
+    b = a[:1200] + "?" * 1800
+    cache.insert(b, cache.digests(b), list(range(60)), [(700, 20), (2800, 60)], 4)
+    stats = cache.stats()
+    assert stats.entries == 1 and stats.evictions == 1  # a went, all its marks with it
+    assert cache.lookup(a + "x", cache.digests(a + "x")) is not None  # b's mark at 700
+    hit = cache.lookup(a + "x", cache.digests(a + "x"))
+    assert hit is not None and hit.anchor == 700 and list(hit.ids) == list(range(20))
+    assert sum(len(bucket) for bucket in cache._buckets.values()) == 2
+
+
+def test_marks_are_counted_in_the_byte_bound() -> None:
+    text_ = "".join(chr(65 + i % 26) for i in range(3000))
+    one = PrefixCache(10, 1 << 20)
+    one.insert(text_, one.digests(text_), list(range(90)), [(2900, 90)], 4)
+    three = PrefixCache(10, 1 << 20)
+    three.insert(
+        text_, three.digests(text_), list(range(90)), [(700, 20), (1600, 50), (2900, 90)], 4
+    )
+    assert three.stats().bytes > one.stats().bytes
+    tight = PrefixCache(10, one.stats().bytes)
+    tight.insert(
+        text_, tight.digests(text_), list(range(90)), [(700, 20), (1600, 50), (2900, 90)], 4
+    )
+    assert tight.stats().entries == 0  # larger than the whole budget: not stored
+
+
+@pytest.mark.parametrize(
+    "marks, n_ids",
+    [
+        ([], 0),
+        ([(900, 10), (700, 20)], 20),
+        ([(700, 20), (900, 10)], 20),
+        ([(700, 20)], 21),
+        ([(2999, 20)], 20),
+    ],
+)
+def test_bad_marks_are_refused(marks: list[tuple[int, int]], n_ids: int) -> None:
+    cache = PrefixCache(10, 1 << 20)
+    text_ = "a" * 3000
+    with pytest.raises(ValueError):
+        cache.insert(text_, cache.digests(text_), list(range(n_ids)), marks, 4)
+
+
+def _words(seed: int, n: int) -> str:
+    rng = random.Random(seed)
+    return " ".join(
+        rng.choice(["cache", "router", "worker", "12,345", "tokens;", "é"]) for _ in range(n)
+    )
+
+
+@pytest.mark.parametrize("kind", ["chatml", "llama3", "metaspace", "sim"])
+def test_a_prompt_departing_before_the_earlier_ones_end_reuses_what_came_before(
+    model_dirs: dict[str, Path], kind: str
+) -> None:
+    """A completions-style text whose last ~2,000 characters differ from a cached one (its
+    last block rewritten): exact ids, and only about the differing text is encoded."""
+    tok = _local(SIM_MODEL if kind == "sim" else model_dirs[kind])
+    shared = _words(1, 4000)
+    earlier = shared + " " + _words(2, 300)
+    later = shared + " " + _words(3, 900)
+    tok.text_ids(earlier, add_special_tokens=False)
+    ids, stats = tok.text_ids(later, add_special_tokens=False)
+    assert ids == _scratch(tok, later)
+    assert stats.cache_hit
+    departed = len(tok.encoder.encode(later)) - len(tok.encoder.encode(shared))
+    # the text after the departure, plus at most the distance back to a checkpoint again
+    assert stats.encoded_tokens <= 2 * departed + 64, (stats, departed)
+
+
+@FIXTURE_SETTINGS
+@given(
+    kind=st.sampled_from(["chatml", "metaspace", "sim"]),
+    first=noisy,
+    keep=st.floats(min_value=0.0, max_value=1.0),
+    rest=noisy,
+)
+def test_any_text_departing_anywhere_from_a_cached_one(
+    model_dirs: dict[str, Path], kind: str, first: str, keep: float, rest: str
+) -> None:
+    """Adversarial: a text that keeps any share of a cached text and continues differently
+    always tokenizes, through the cache, to the from-scratch ids."""
+    tok = _shared(SIM_MODEL if kind == "sim" else model_dirs[kind])
+    earlier = (first + " ") * (1 + 6000 // (len(first) + 1))  # past a few checkpoints
+    later = earlier[: int(len(earlier) * keep)] + rest
+    for t in (earlier, later):
+        if t:
+            assert tok.text_ids(t, add_special_tokens=False)[0] == _scratch(tok, t)

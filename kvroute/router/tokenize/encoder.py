@@ -43,6 +43,10 @@ from tokenizers import Tokenizer
 
 from kvroute.router.tokenize.pretok import CUT_REACH, tokenizer_cut_rule
 
+# Distance (characters) of the nearest checkpoint cut before a cached text's last cut; further
+# checkpoints double it. About 256 tokens of English: what a departure near the end costs.
+CHECKPOINT_CHARS = 1024
+
 
 class TextEncoder:
     """Encodes text for one tokenizer and finds anchors (see module docstring)."""
@@ -231,3 +235,18 @@ class TextEncoder:
     def cache_anchor(self, text: str, lo: int) -> int | None:
         """A cut in `text` after `lo` that stays valid when `text` is extended later."""
         return self.last_anchor(text, lo, len(text) - self.guard_chars)
+
+    def checkpoint_anchors(self, text: str, lo: int, end: int) -> list[int]:
+        """Cuts after `lo` at about `CHECKPOINT_CHARS`, twice, four times ... that many
+        characters before the cut `end`, descending: a later text that departs from this one
+        d characters before `end` still shares a cut at most about 2d before `end`."""
+        out: list[int] = []
+        back = CHECKPOINT_CHARS
+        while end - back > lo:
+            j = self.last_anchor(text, lo, end - back)
+            if j is None:
+                break
+            if not out or j < out[-1]:
+                out.append(j)
+            back *= 2
+        return out

@@ -310,21 +310,26 @@ class LocalTokenizer:
             if hit is None and shared_end
             else None
         )
-        cuts = sorted({c for c in (first, cut) if c is not None})  # first may be the last cut
+        # Checkpoints before the last cut: a later text that departs from this one near its
+        # end (an edited last message) still reuses the text before the departure.
+        back = self.encoder.checkpoint_anchors(text, start, cut) if cut is not None else []
+        cuts = sorted({c for c in (first, cut, *back) if c is not None})
         bounds = [start, *cuts, len(text)]
         encoded = encode([text[a:b] for a, b in pairwise(bounds)])
+        reused = len(prefix)
         ids = prefix
+        marks: list[tuple[int, int]] = []
         for c, piece in zip(cuts, encoded, strict=False):
-            ids = ids + piece
-            self.cache.insert(text, digests, c, c + guard, ids)
-        ids = ids + encoded[-1]
+            ids.extend(piece)
+            marks.append((c, len(ids)))
+        if marks:
+            self.cache.insert(text, digests, ids, marks, guard)
+        ids.extend(encoded[-1])
         new = sum(len(p) for p in encoded)
         self._measured(len(text) - start, new)
         if hit is not None and self._verify_every > 0:
             ids = self._verify(text, ids, encode)
-        return ids, EncodeStats(
-            reused_tokens=len(prefix), encoded_tokens=new, cache_hit=hit is not None
-        )
+        return ids, EncodeStats(reused_tokens=reused, encoded_tokens=new, cache_hit=hit is not None)
 
     def _verify(self, text: str, ids: list[int], encode: PieceEncoder) -> list[int]:
         """Every n-th cache hit, tokenize from scratch too; on a difference stop caching for

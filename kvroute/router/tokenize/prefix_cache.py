@@ -1,23 +1,27 @@
 """A bounded cache of token ids for text prefixes, so a conversation's history is tokenized once.
 
-An entry remembers, for a rendered prompt that was tokenized, the ids of its text up to an
-anchor (a cut where tokenization splits exactly, see `encoder`). A later prompt that starts with
-that same text *through the anchor and a guard region after it* (the characters that decide
-whether the tokenizer matches the anchor there) reuses the ids and tokenizes only from the
-anchor on.
+A record remembers, for a prompt that was tokenized, the ids of its text up to several anchors
+(cuts where tokenization splits exactly, see `encoder`): the last one near the text's end, and
+checkpoints further back, so a later prompt that departs from this one shortly before its end
+(an edited last message, a trace whose last block differs) still reuses all the text before
+the departure. Each anchor is a *mark*; a later prompt that starts with the same text *through
+a mark's anchor and a guard region after it* (the characters that decide whether the
+tokenizer cuts there) reuses the ids up to that anchor and tokenizes only from it on. A
+record's marks share one ids array: the ids up to an earlier mark are a prefix of it.
 
-Finding the longest cached prefix of a new text without comparing it to every entry: texts are
-hashed in fixed chunks (xxh3-128, chained), giving one digest per chunk boundary. An entry is
-filed under the digest of the last chunk boundary before its anchor, plus the characters from
-that boundary to the end of the guard region (its tail). A lookup walks the new text's
-boundaries from the end and takes the first bucket whose tail matches, which is the entry with
+Finding the longest cached prefix of a new text without comparing it to every record: texts
+are hashed in fixed chunks (xxh3-128, chained), giving one digest per chunk boundary. A mark
+is filed under the digest of the last chunk boundary before its anchor, plus the characters
+from that boundary to the end of the guard region (its tail). A lookup walks the new text's
+boundaries from the end and takes the first bucket whose tail matches, which is the mark with
 the longest usable prefix. Cost per lookup: one hashing pass and one dict probe per chunk.
 
-Bounded by entries and by bytes (ids are stored as 4-byte arrays); least recently used entries
-are evicted first. Thread-safe.
+Bounded by records and by bytes (ids are stored as 4-byte arrays, tails as 4 bytes per
+character); least recently used records are evicted first, all their marks with them.
+Thread-safe.
 
 Tenants are kept apart by the digests' seed: a request's `cache_salt` and LoRA adapter name
-(`tenant_key`) derive it, so the same text of two tenants files two entries and one tenant's
+(`tenant_key`) derive it, so the same text of two tenants files two records and one tenant's
 look-up can never hit (nor be timed against) another's.
 """
 
@@ -27,6 +31,7 @@ import hashlib
 import threading
 from array import array
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import xxhash
@@ -36,12 +41,19 @@ _ENTRY_OVERHEAD = 200  # bytes counted per entry for its bookkeeping
 
 
 @dataclass(slots=True)
-class _Entry:
-    key: tuple[int, int]  # (chunk boundary, digest of text[:boundary])
-    tail: str  # text[boundary:guard_end]
-    anchor: int  # character position of the anchor (< guard_end)
-    ids: array  # type: ignore[type-arg]  # ids of text[:anchor]
+class _Record:
+    ids: array  # type: ignore[type-arg]  # ids of the text up to the last mark's anchor
+    marks: list[_Mark]
     nbytes: int
+
+
+@dataclass(slots=True)
+class _Mark:
+    key: tuple[int, int]  # (chunk boundary, digest of text[:boundary])
+    tail: str  # text[boundary:anchor + guard]
+    anchor: int  # character position of the anchor
+    n_ids: int  # ids of text[:anchor]: record.ids[:n_ids]
+    record: _Record
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +78,7 @@ class Lookup:
 
 @dataclass(frozen=True, slots=True)
 class CacheStats:
-    entries: int
+    entries: int  # records
     bytes: int
     evictions: int
 
@@ -102,7 +114,7 @@ def tenant_seed(seed: int, tenant: bytes) -> int:
 
 
 class PrefixCache:
-    """Ids of text prefixes, LRU-bounded by `max_entries` and `max_bytes`."""
+    """Ids of text prefixes, LRU-bounded by `max_entries` records and `max_bytes`."""
 
     def __init__(self, max_entries: int, max_bytes: int, chunk: int = CHUNK_CHARS) -> None:
         if max_entries < 0 or max_bytes < 0:
@@ -111,8 +123,9 @@ class PrefixCache:
         self._max_bytes = max_bytes
         self._chunk = chunk
         self._lock = threading.Lock()
-        self._lru: OrderedDict[tuple[tuple[int, int], str], _Entry] = OrderedDict()
-        self._buckets: dict[tuple[int, int], dict[str, _Entry]] = {}
+        # records by their last mark's (key, tail): the same text inserted again replaces one
+        self._lru: OrderedDict[tuple[tuple[int, int], str], _Record] = OrderedDict()
+        self._buckets: dict[tuple[int, int], dict[str, _Mark]] = {}
         self._bytes = 0
         self._evictions = 0
 
@@ -127,48 +140,74 @@ class PrefixCache:
                 bucket = self._buckets.get((boundary, digests[k]))
                 if not bucket:
                     continue
-                best: _Entry | None = None
-                for entry in bucket.values():
-                    if (best is None or entry.anchor > best.anchor) and text.startswith(
-                        entry.tail, boundary
+                best: _Mark | None = None
+                for mark in bucket.values():
+                    if (best is None or mark.anchor > best.anchor) and text.startswith(
+                        mark.tail, boundary
                     ):
-                        best = entry
+                        best = mark
                 if best is not None:
-                    self._lru.move_to_end((best.key, best.tail))
-                    return CacheHit(anchor=best.anchor, ids=best.ids)
+                    rec = best.record
+                    last = rec.marks[-1]
+                    self._lru.move_to_end((last.key, last.tail))
+                    ids = rec.ids if best.n_ids == len(rec.ids) else rec.ids[: best.n_ids]
+                    return CacheHit(anchor=best.anchor, ids=ids)
         return None
 
     def insert(
-        self, text: str, digests: list[int], anchor: int, guard_end: int, ids: list[int]
+        self,
+        text: str,
+        digests: list[int],
+        ids: Sequence[int],
+        marks: Sequence[tuple[int, int]],
+        guard: int,
     ) -> None:
-        """Remember that text[:anchor] tokenizes to `ids`, valid for any text that shares
-        text[:guard_end] (guard_end > anchor)."""
-        if not anchor < guard_end <= len(text):
-            raise ValueError("need anchor < guard_end <= len(text)")
-        k = anchor // self._chunk
-        boundary = k * self._chunk
-        key = (boundary, digests[k])
-        tail = text[boundary:guard_end]
-        stored = array("I", ids)
-        nbytes = stored.itemsize * len(stored) + len(tail) * 4 + _ENTRY_OVERHEAD
-        if nbytes > self._max_bytes or self._max_entries == 0:
+        """Remember, for each `(anchor, n)` of `marks`, that text[:anchor] tokenizes to
+        `ids[:n]`, valid for any text that shares text[:anchor + guard]. Anchors increase and
+        the last `n` is len(ids)."""
+        if not marks or guard < 1:
+            raise ValueError("need at least one mark and guard >= 1")
+        anchors = [a for a, _ in marks]
+        counts = [n for _, n in marks]
+        if anchors != sorted(set(anchors)) or counts != sorted(counts) or counts[-1] != len(ids):
+            raise ValueError("marks must increase and end at len(ids)")
+        if anchors[0] < 0 or anchors[-1] + guard > len(text):
+            raise ValueError("need 0 <= anchor and anchor + guard <= len(text)")
+        if self._max_entries == 0:
             return
-        entry = _Entry(key=key, tail=tail, anchor=anchor, ids=stored, nbytes=nbytes)
+        stored = array("I", ids)
+        rec = _Record(ids=stored, marks=[], nbytes=stored.itemsize * len(stored))
+        for anchor, n in marks:
+            boundary = anchor // self._chunk * self._chunk
+            key = (boundary, digests[anchor // self._chunk])
+            tail = text[boundary : anchor + guard]
+            rec.marks.append(_Mark(key=key, tail=tail, anchor=anchor, n_ids=n, record=rec))
+            rec.nbytes += len(tail) * 4 + _ENTRY_OVERHEAD
+        if rec.nbytes > self._max_bytes:
+            return
+        last = rec.marks[-1]
         with self._lock:
-            old = self._lru.pop((key, tail), None)
+            old = self._lru.pop((last.key, last.tail), None)
             if old is not None:
-                self._bytes -= old.nbytes
-            self._lru[(key, tail)] = entry
-            self._buckets.setdefault(key, {})[tail] = entry
-            self._bytes += nbytes
+                self._forget(old)
+            self._lru[(last.key, last.tail)] = rec
+            for mark in rec.marks:
+                self._buckets.setdefault(mark.key, {})[mark.tail] = mark
+            self._bytes += rec.nbytes
             while len(self._lru) > self._max_entries or self._bytes > self._max_bytes:
-                (okey, otail), victim = self._lru.popitem(last=False)
-                bucket = self._buckets[okey]
-                del bucket[otail]
-                if not bucket:
-                    del self._buckets[okey]
-                self._bytes -= victim.nbytes
+                _, victim = self._lru.popitem(last=False)
+                self._forget(victim)
                 self._evictions += 1
+
+    def _forget(self, rec: _Record) -> None:
+        """Drop `rec`'s marks (those another record has not taken over) and its bytes."""
+        for mark in rec.marks:
+            bucket = self._buckets.get(mark.key)
+            if bucket is not None and bucket.get(mark.tail) is mark:
+                del bucket[mark.tail]
+                if not bucket:
+                    del self._buckets[mark.key]
+        self._bytes -= rec.nbytes
 
     def clear(self) -> None:
         with self._lock:

@@ -22,7 +22,10 @@ Measured, per size:
   before, then prompts that extend it by one new block of ~750 tokens (the shape of the
   public Mooncake conversation trace: ~12K-token prompts extending earlier ones). Cold (empty
   prefix cache) and extending (the earlier prompt's ids cached), through `LocalTokenizer`
-  (wall and thread CPU time) and `Tokenizers.token_ids` (end to end), against a full encode.
+  (wall and thread CPU time) and `Tokenizers.token_ids` (end to end), against a full encode;
+  and departing: the earlier prompt ends in a partial block that the later prompts replace
+  (how a Mooncake trace records a conversation's previous turn), so the later prompts share
+  all of it but its last few hundred tokens.
 
 Prints a table and writes bench/results/tokenize.json and tokenize.md.
 """
@@ -272,15 +275,22 @@ def bench_size(total: int, reps: int) -> dict[str, Any]:
 
 EARLIER_BLOCKS = 22  # 11,264 tokens
 NEW_TOKENS = 750
+# The earlier prompt's last block when it departs: partly filled, with a hash id of its own,
+# as a Mooncake trace records a conversation's previous turn.
+PARTIAL_TOKENS = 300
 
 
-def mooncake_prompts(reps: int, blocks: int = EARLIER_BLOCKS) -> tuple[str, list[str]]:
-    """(earlier prompt, `reps` later prompts): each later one is the earlier one plus a new
-    block of its own (hash ids as in a Mooncake trace, text from the sim's vocabulary)."""
+def mooncake_prompts(
+    reps: int, blocks: int = EARLIER_BLOCKS, partial: int = 0
+) -> tuple[str, list[str]]:
+    """(earlier prompt, `reps` later prompts): each later one is the earlier one's `blocks`
+    full blocks plus new blocks of its own (hash ids as in a Mooncake trace, text from the
+    sim's vocabulary). With `partial`, the earlier prompt ends with a block of that many
+    tokens that the later ones do not share (they depart from it there)."""
     space = TokenSpace.from_tokenizer_file(MODEL / "tokenizer.json")
     ids = tuple(range(blocks))
     n = blocks * MOONCAKE_BLOCK_TOKENS
-    records = [MooncakeRecord(0.0, n, 1, ids)]
+    records = [MooncakeRecord(0.0, n + partial, 1, (*ids, 999) if partial else ids)]
     new_blocks = -(-NEW_TOKENS // MOONCAKE_BLOCK_TOKENS)
     records += [
         MooncakeRecord(
@@ -349,6 +359,14 @@ def bench_completions(reps: int, blocks: int = EARLIER_BLOCKS) -> dict[str, Any]
     for (_, _, (ids, _)), (_, _, expected) in zip(warm, full, strict=True):
         assert ids == expected  # the point: exact ids
     stats = [w[2][1] for w in warm]
+    # departing: the earlier prompt ends in a partial block the later ones replace
+    dep_earlier, dep_later = mooncake_prompts(len(later), blocks, PARTIAL_TOKENS)
+    tok.cache.clear()
+    tok.text_ids(dep_earlier, True)
+    dep = [_timed(lambda p=p: tok.text_ids(p, True)) for p in dep_later]
+    for (_, _, (ids, _)), p in zip(dep, dep_later, strict=True):
+        assert ids == tok.encoder.encode(p, add_special_tokens=True)
+    dep_stats = [d[2][1] for d in dep]
     return {
         "prompt_tokens": statistics.median(len(f[2]) for f in full),
         "earlier_tokens": len(tok.encoder.encode(earlier, add_special_tokens=True)),
@@ -359,6 +377,11 @@ def bench_completions(reps: int, blocks: int = EARLIER_BLOCKS) -> dict[str, Any]
         "extending_cpu_ms": statistics.median(w[1] for w in warm) * 1e3,
         "extending_encoded_tokens": statistics.median(s.encoded_tokens for s in stats),
         "extending_hits": sum(s.cache_hit for s in stats),
+        "departing_ms": statistics.median(d[0] for d in dep) * 1e3,
+        "departing_cpu_ms": statistics.median(d[1] for d in dep) * 1e3,
+        "departing_encoded_tokens": statistics.median(s.encoded_tokens for s in dep_stats),
+        "departing_hits": sum(s.cache_hit for s in dep_stats),
+        "partial_tokens": PARTIAL_TOKENS,
         "reps": len(later),
         "earlier_blocks": blocks,
         "end_to_end": asyncio.run(_completions_end_to_end(earlier, later)),
@@ -418,6 +441,14 @@ def _markdown(
         f"{c['extending_encoded_tokens']:.0f} | {e['cold_ms']:.2f} ({e['cold_cpu_ms']:.2f}) / "
         f"{e['extending_ms']:.2f} ({e['extending_cpu_ms']:.2f}) |",
         "",
+        f"Departing: the earlier prompt ends in a block of {c['partial_tokens']} tokens with an "
+        "id of its own, which the later prompts replace (a Mooncake trace's previous turn):",
+        "",
+        "| cold ms | departing ms (CPU ms) | encoded when departing | cache hits |",
+        "|---:|---:|---:|---:|",
+        f"| {c['cold_ms']:.2f} | {c['departing_ms']:.2f} ({c['departing_cpu_ms']:.2f}) | "
+        f"{c['departing_encoded_tokens']:.0f} | {c['departing_hits']} of {c['reps']} |",
+        "",
         "- cold: render + encode with an empty prefix cache; next turn: the last turn of a "
         "conversation grown turn by turn through one tokenizer (history from the prefix cache).",
         "- inline: on the event loop thread (what the pools avoid); thread1/thread2: a pool "
@@ -450,6 +481,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"completions {c['prompt_tokens']} tokens: full encode {c['full_encode_ms']:.2f} ms, "
         f"cold {c['cold_ms']:.2f} ms, extending {c['extending_ms']:.2f} ms "
         f"(CPU {c['extending_cpu_ms']:.2f} ms, {c['extending_encoded_tokens']:.0f} encoded), "
+        f"departing {c['departing_ms']:.2f} ms (CPU {c['departing_cpu_ms']:.2f} ms, "
+        f"{c['departing_encoded_tokens']:.0f} encoded, {c['departing_hits']} hits), "
         f"end to end {c['end_to_end']['cold_ms']:.2f} / {c['end_to_end']['extending_ms']:.2f} ms",
         flush=True,
     )

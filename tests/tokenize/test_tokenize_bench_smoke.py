@@ -25,3 +25,7 @@ def test_tokenize_bench_smoke(tmp_path: Path) -> None:
     assert c["extending_hits"] == c["reps"] > 0
     assert c["prompt_tokens"] - c["earlier_tokens"] == 750
     assert 750 <= c["extending_encoded_tokens"] < 800
+    # departing before the earlier prompt's end (its partial last block replaced): every one
+    # hit the cache and encoded about the new text, not the shared blocks
+    assert c["departing_hits"] == c["reps"]
+    assert 750 <= c["departing_encoded_tokens"] < 750 + 2 * c["partial_tokens"] + 64

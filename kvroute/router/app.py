@@ -269,7 +269,15 @@ def create_app(
         clock,
         prefill_rate=prefill_rate,
     )
-    metrics.attach_state(registry, index, events, clock)
+    metrics.attach_state(
+        registry,
+        index,
+        events,
+        clock,
+        cpu_tier_tokens_per_s=(
+            cfg.policy.cpu_tier_tokens_per_s if cfg.policy.learn_cpu_tier_rate else None
+        ),
+    )
     metrics.registry.register(
         ScalarGauge(
             "kvroute_prefill_tokens_per_second",

@@ -46,3 +46,4 @@ def test_each_worker_shows_its_pool_and_working_set(routers: Routers, tmp_path: 
             assert ws.get_attribute("data-tokens") == str(want[name]["tokens"])
             assert f"{want[name]['conversations']} conversations" in ws.inner_text()
             assert "most blocks seen" in row.locator("td.pool").inner_text()
+            assert row.locator(".cpu-tier").count() == 0  # the CPU-tier rate is not learned

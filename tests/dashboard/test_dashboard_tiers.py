@@ -1,10 +1,12 @@
-"""The dashboard shows reuse per KV tier, in a real headless browser against a real
-`kvroute serve` whose bridges report a worker holding the prompts in its CPU tier (the fleet
-of tests/router/test_tier_serve.py). Same browser rules as test_dashboard_browser.py."""
+"""The dashboard shows reuse per KV tier, and each worker's CPU-tier rate when the router
+learns it, in a real headless browser against a real `kvroute serve` whose bridges report a
+worker holding the prompts in its CPU tier (the fleet of tests/router/test_tier_serve.py).
+Same browser rules as test_dashboard_browser.py."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 from collections.abc import Iterator
@@ -20,16 +22,17 @@ from tests.router.test_tier_serve import ADMIN, PROMPTS, tier_router
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(180)]
 
 
-@pytest.fixture()
-def router_url(tmp_path: Path) -> Iterator[str]:
-    """The tiered fleet's router, run on an event loop of its own thread."""
+@contextlib.contextmanager
+def serving(tmp_path: Path, policy: dict[str, Any] | None = None) -> Iterator[str]:
+    """The tiered fleet's router, with the `policy` settings given, run on an event loop of
+    its own thread; yields its URL."""
     _need_browser()
     ready: list[str] = []
     failed: list[BaseException] = []
     stop = threading.Event()
 
     async def serve(engine: str) -> None:
-        async with tier_router(engine, tmp_path / "router.yaml") as http:
+        async with tier_router(engine, tmp_path / "router.yaml", policy) as http:
             resp = await http.post(
                 "/v1/completions", json={"model": "m", "prompt": PROMPTS["b"], "max_tokens": 1}
             )
@@ -58,6 +61,20 @@ def router_url(tmp_path: Path) -> Iterator[str]:
             thread.join(30)
 
 
+@pytest.fixture()
+def router_url(tmp_path: Path) -> Iterator[str]:
+    with serving(tmp_path) as url:
+        yield url
+
+
+@pytest.fixture()
+def learning_router_url(tmp_path: Path) -> Iterator[str]:
+    """The router learning each worker's CPU-tier rate (the instant engine reports no loads
+    to learn from: every worker is priced at the configured rate)."""
+    with serving(tmp_path, {"learn_cpu_tier_rate": True}) as url:
+        yield url
+
+
 def test_decisions_and_scores_show_tokens_per_tier(router_url: str, tmp_path: Path) -> None:
     n = len(PROMPTS["b"]) - 1
     with open_page(tmp_path) as page:
@@ -82,3 +99,38 @@ def test_decisions_and_scores_show_tokens_per_tier(router_url: str, tmp_path: Pa
         for other in ("w0", "w2"):
             assert cells[other].get_attribute("data-cpu") == "0"
             assert "CPU" not in cells[other].inner_text()
+
+
+def test_each_workers_cpu_tier_rate_shows_when_the_router_learns_it(
+    learning_router_url: str, tmp_path: Path
+) -> None:
+    """w2 as the router answers (the configured rate); w1 rewritten to carry a learned rate;
+    w0 rewritten to carry none, as a router that does not learn the rate answers."""
+
+    def rewrite(route: Any) -> None:
+        resp = route.fetch()
+        data = resp.json()
+        for w in data["workers"]:
+            if w["name"] == "w1":
+                w["load"]["cpu_tier_tokens_per_s"] = 48_000.0
+                w["load"]["cpu_tier_tokens_per_s_learned"] = 48_000.4
+            elif w["name"] == "w0":
+                assert w["load"]["cpu_tier_tokens_per_s"] == 200_000.0
+                w["load"]["cpu_tier_tokens_per_s"] = None
+        route.fulfill(response=resp, json=data)
+
+    with open_page(tmp_path) as page:
+        page.route("**/admin/workers", rewrite)
+        page.goto(f"{learning_router_url}/dashboard#token={ADMIN}")
+        page.locator("#workers tbody tr .cpu-tier").nth(1).wait_for()
+        rows = {r.get_attribute("data-worker"): r for r in page.locator("#workers tbody tr").all()}
+        assert sorted(rows) == ["w0", "w1", "w2"]
+        assert rows["w0"].locator(".cpu-tier").count() == 0
+        learned = rows["w1"].locator(".cpu-tier")
+        assert learned.get_attribute("data-learned") == "true"
+        assert learned.get_attribute("data-tokens-per-s") == "48000"
+        assert learned.inner_text() == "CPU tier 48,000 tokens/s learned"
+        configured = rows["w2"].locator(".cpu-tier")
+        assert configured.get_attribute("data-learned") == "false"
+        assert configured.get_attribute("data-tokens-per-s") == "200000"
+        assert configured.inner_text() == "CPU tier 200,000 tokens/s configured"

@@ -14,6 +14,7 @@ import pytest
 
 from kvroute.router.ops import inspect_cli
 from tests.router.harness import ADMIN, rig
+from tests.router.test_cpu_tier_rate import warmed
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello there"}]}
 
@@ -311,6 +312,7 @@ def test_inspect_cli_prints_table(tmp_path: Path) -> None:
             lines = out.splitlines()
             header = next(line for line in lines if line.startswith("worker"))
             assert "reuse" in header and "est_ttft_s" in header
+            assert "cpu_tier_rate" not in header  # not learned: every worker's is configured
             row = next(line for line in lines if line.startswith("w0 *"))
             assert " 16 " in row
             convo = tmp_path / "c.json"
@@ -323,6 +325,56 @@ def test_inspect_cli_prints_table(tmp_path: Path) -> None:
                 cli, "--router", r.url, "--prompt", "x", "--token", "wrong-token"
             )
             assert code == 1 and "401" in err
+
+    run(go())
+
+
+def test_learned_cpu_tier_rates_show_in_admin_inspect_and_metrics() -> None:
+    """With `policy.learn_cpu_tier_rate`, each worker's CPU-tier rate is what it is priced
+    at: w0's learned, w1's configured (nothing learned yet); without it, none is shown."""
+
+    async def go() -> None:
+        async with rig(2, policy={"learn_cpu_tier_rate": True}) as r:
+            w0 = r.parts.registry.get("w0")
+            assert w0 is not None
+            w0.load.cpu_tier, _ = warmed(50_000.0, 5)
+            h = r.admin_headers()
+            listing = (await r.client.get("/admin/workers", headers=h)).json()["workers"]
+            load = {w["name"]: w["load"] for w in listing}
+            assert load["w0"]["cpu_tier_tokens_per_s"] == pytest.approx(50_000.0)
+            assert load["w0"]["cpu_tier_tokens_per_s_learned"] == pytest.approx(50_000.0)
+            assert load["w1"]["cpu_tier_tokens_per_s"] == 200_000.0
+            assert load["w1"]["cpu_tier_tokens_per_s_learned"] is None
+            score = (await r.client.post("/admin/score", json=CHAT, headers=h)).json()
+            by = {w["worker"]: w for w in score["workers"]}
+            assert by["w0"]["cpu_tier_tokens_per_s"] == pytest.approx(50_000.0)
+            assert by["w1"]["cpu_tier_tokens_per_s"] == 200_000.0
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out):
+                code = await asyncio.to_thread(
+                    inspect_cli.main, ["--router", r.url, "--prompt", "hi", "--token", ADMIN]
+                )
+            assert code == 0
+            lines = out.getvalue().splitlines()
+            header = next(line for line in lines if line.startswith("worker"))
+            col = header.index("cpu_tier_rate")
+            rows = {line.split()[0]: line for line in lines if line.startswith("w")}
+            assert rows["w0"][col:].split()[:2] == ["50000", "learned"]
+            assert rows["w1"][col:].split()[:2] == ["200000", "configured"]
+            text = (await r.client.get("/metrics")).text
+            assert 'kvroute_worker_cpu_tier_tokens_per_second{worker="w1"} 200000.0' in text
+            assert 'kvroute_worker_cpu_tier_rate_learned{worker="w0"} 1.0' in text
+            assert 'kvroute_worker_cpu_tier_rate_learned{worker="w1"} 0.0' in text
+        async with rig(1) as r:
+            h = r.admin_headers()
+            listing = (await r.client.get("/admin/workers", headers=h)).json()["workers"]
+            assert listing[0]["load"]["cpu_tier_tokens_per_s"] is None
+            score = (await r.client.post("/admin/score", json=CHAT, headers=h)).json()
+            assert score["workers"][0]["cpu_tier_tokens_per_s"] is None
+            assert (
+                "kvroute_worker_cpu_tier_tokens_per_second{"
+                not in (await r.client.get("/metrics")).text
+            )
 
     run(go())
 

@@ -1,12 +1,15 @@
 """`kvroute.router.fleet.cpu_tier_rate`: a worker's CPU-tier load rate from its engine's
-counters (host tokens, load seconds), against no data, skew, resets and absurd values."""
+counters (host tokens, load seconds), against no data, skew, resets and absurd values; and
+the rate each worker is priced at as the router's metrics export it."""
 
 from __future__ import annotations
 
 import math
 
 import pytest
+from prometheus_client import CollectorRegistry
 
+from kvroute.router.config import BreakerConfig, WorkerSpec
 from kvroute.router.fleet.cpu_tier_rate import (
     BOUND,
     MIN_LOADS,
@@ -14,6 +17,8 @@ from kvroute.router.fleet.cpu_tier_rate import (
     CpuTierRate,
     parse_cpu_tier_counters,
 )
+from kvroute.router.fleet.workers import WorkerRegistry
+from kvroute.router.ops.metrics import RouterMetrics
 
 CONFIGURED = 200_000.0
 
@@ -158,3 +163,54 @@ def test_the_counters_are_read_per_dp_rank_from_vllms_page() -> None:
     # no host series: no CPU tier (or a vLLM before it), nothing to learn
     assert parse_cpu_tier_counters(PAGE.replace('source="host"', 'source="p2p"'), 0) is None
     assert parse_cpu_tier_counters("", 0) is None
+
+
+RATE = "kvroute_worker_cpu_tier_tokens_per_second"
+LEARNED = "kvroute_worker_cpu_tier_rate_learned"
+
+
+def fleet(configured: float | None) -> tuple[WorkerRegistry, CollectorRegistry]:
+    """Workers w0 and w1 and the metrics registry their gauges are scraped from."""
+    workers = WorkerRegistry(BreakerConfig())
+    for name in ("w0", "w1"):
+        workers.add(WorkerSpec(name=name, url=f"http://127.0.0.1:1/{name}"))
+    metrics = RouterMetrics()
+    metrics.attach_state(workers, None, None, cpu_tier_tokens_per_s=configured)
+    return workers, metrics.registry
+
+
+def gauges(registry: CollectorRegistry, name: str) -> dict[str, float | None]:
+    return {w: registry.get_sample_value(name, {"worker": w}) for w in ("w0", "w1")}
+
+
+def test_the_metrics_export_each_workers_priced_rate_and_whether_it_is_learned() -> None:
+    workers, registry = fleet(CONFIGURED)
+    assert gauges(registry, RATE) == {"w0": CONFIGURED, "w1": CONFIGURED}
+    assert gauges(registry, LEARNED) == {"w0": 0.0, "w1": 0.0}
+    w0 = workers.get("w0")
+    assert w0 is not None
+    w0.load.cpu_tier, _ = warmed(50_000.0, MIN_LOADS)
+    assert w0.load.cpu_tier.learned is not None  # 3 loads of 1,000 tokens: enough
+    got = gauges(registry, RATE)
+    assert got["w0"] == pytest.approx(50_000.0) and got["w1"] == CONFIGURED
+    assert gauges(registry, LEARNED) == {"w0": 1.0, "w1": 0.0}
+    # the rate priced, not the one measured: bounded around the configured one
+    w0.load.cpu_tier, _ = warmed(1e12, MIN_LOADS)
+    assert gauges(registry, RATE)["w0"] == pytest.approx(CONFIGURED * BOUND)
+    assert gauges(registry, LEARNED)["w0"] == 1.0
+
+
+def test_a_removed_workers_cpu_tier_series_go_with_it() -> None:
+    workers, registry = fleet(CONFIGURED)
+    w1 = workers.get("w1")
+    assert w1 is not None
+    w1.load.cpu_tier, _ = warmed(50_000.0, 5)
+    workers.remove("w1")
+    assert gauges(registry, RATE) == {"w0": CONFIGURED, "w1": None}
+    assert gauges(registry, LEARNED) == {"w0": 0.0, "w1": None}
+
+
+def test_without_learning_no_cpu_tier_series_are_exported() -> None:
+    _, registry = fleet(None)
+    assert gauges(registry, RATE) == {"w0": None, "w1": None}
+    assert gauges(registry, LEARNED) == {"w0": None, "w1": None}

@@ -260,5 +260,10 @@ def test_the_router_learns_a_sim_engines_cpu_tier_rate(tmp_path: Path) -> None:
             print(f"learned {got:.0f} tokens/s, modelled {modelled:.0f}")
             tier_load = by[w0["name"]]["terms"]["tier_load"]
             assert tier_load == pytest.approx(cpu / got, rel=0.05)
+            # and shows that rate as learned where operators look
+            load = router.get(f"/admin/workers/{w0['name']}").json()["load"]
+            assert load["cpu_tier_tokens_per_s"] == pytest.approx(got, rel=0.05)
+            label = f'{{worker="{w0["name"]}"}}'
+            assert f"kvroute_worker_cpu_tier_rate_learned{label} 1.0" in router.get("/metrics").text
     finally:
         _stop(*procs)

@@ -63,9 +63,12 @@ def held(name: str) -> events_pb2.KvEventBatch:
 
 
 @contextlib.asynccontextmanager
-async def tier_router(engine_url: str, cfg_path: Path) -> AsyncIterator[httpx.AsyncClient]:
+async def tier_router(
+    engine_url: str, cfg_path: Path, policy: dict[str, Any] | None = None
+) -> AsyncIterator[httpx.AsyncClient]:
     """The bridges and a `kvroute serve` in front of the three workers, every worker's
-    events live; yields a client of the router (admin headers set)."""
+    events live, with the `policy` settings given; yields a client of the router (admin
+    headers set)."""
     bridges = {name: FakeBridge() for name in ("w0", "w1", "w2")}
     for name, bridge in bridges.items():
         await bridge.start()
@@ -78,6 +81,7 @@ async def tier_router(engine_url: str, cfg_path: Path) -> AsyncIterator[httpx.As
                 "port": port,
                 "log_level": "warning",
                 "models": {"m": {"tokenizer": "request"}},
+                "policy": policy or {},
                 "workers": [
                     {"name": n, "url": engine_url, "model": "m", "bridge": f"127.0.0.1:{b.port}"}
                     for n, b in bridges.items()

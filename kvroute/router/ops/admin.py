@@ -18,6 +18,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from kvroute.ratelog import RateLimitedLog
+from kvroute.router.config import PolicyConfig
 from kvroute.router.config_load import ConfigError, worker_from_dict
 from kvroute.router.edge.body import read_bounded
 from kvroute.router.edge.errors import INVALID_FIELD, NOT_FOUND, RouterError, error_response
@@ -152,6 +153,9 @@ class Admin:
                 # the worker's pool and the prompt tokens of the conversations expected back
                 "pool_tokens": w.load.capacity.tokens(),
                 "working_set_tokens": routing.working_set.tokens(w.name),
+                # the rate its CPU-tier tokens are priced at, when learned per worker
+                "cpu_tier_tokens_per_s": _cpu_tier_rate(w, routing.cfg),
+                "cpu_tier_tokens_per_s_learned": w.load.cpu_tier.learned,
             }
             exp = explained.get(w.name)
             if exp is not None:
@@ -219,6 +223,7 @@ class Admin:
                 "queued_prefill_tokens": w.load.queued_prefill_tokens,
                 "requests_total": w.load.started_total,
                 "step_period_s": w.load.steps.period,
+                "cpu_tier_tokens_per_s": _cpu_tier_rate(w, self._routing.cfg),
                 # None until learned (policy.learn_cpu_tier_rate), and unbounded
                 "cpu_tier_tokens_per_s_learned": w.load.cpu_tier.learned,
                 "engine": None
@@ -366,6 +371,16 @@ def _guess_endpoint(body: object) -> str:
         if "input" in body:
             return RESPONSES
     return CHAT
+
+
+def _cpu_tier_rate(w: Worker, cfg: PolicyConfig) -> float | None:
+    """The rate the policy prices the worker's CPU-tier tokens at (learned and bounded, or
+    `policy.cpu_tier_tokens_per_s` until learned) when it learns each worker's
+    (`policy.learn_cpu_tier_rate`); None otherwise, as every worker's is then the configured
+    one."""
+    if not cfg.learn_cpu_tier_rate:
+        return None
+    return w.load.cpu_tier.tokens_per_s(cfg.cpu_tier_tokens_per_s)
 
 
 def _capacity_json(w: Worker) -> dict[str, Any]:

@@ -114,6 +114,15 @@ def _groups(entry: dict[str, Any]) -> str:
     return "; ".join(parts)
 
 
+def _cpu_tier(entry: dict[str, Any]) -> str:
+    """The rate the worker's CPU-tier tokens are priced at, tokens/s, and where it comes from."""
+    rate = entry.get("cpu_tier_tokens_per_s")
+    if rate is None:
+        return "-"
+    learned = entry.get("cpu_tier_tokens_per_s_learned") is not None
+    return f"{rate:.0f} {'learned' if learned else 'configured'}"
+
+
 def render(answer: dict[str, Any]) -> str:
     """The /admin/score answer as a text table."""
     lines = [
@@ -130,6 +139,10 @@ def render(answer: dict[str, Any]) -> str:
         "worker", "role", "status", "reuse", "fa_only", "uncached", "running", "queued", "kv",
         "est_ttft_s", "decode_cost_s", "pool", "working_set", "groups",
     ]  # fmt: skip
+    # each worker's CPU-tier rate, only when the router learns them (else all are configured)
+    cpu_tier = any(w.get("cpu_tier_tokens_per_s") is not None for w in answer["workers"])
+    if cpu_tier:
+        header.insert(-1, "cpu_tier_rate")
     rows = [header]
     for w in answer["workers"]:
         decode = w.get("decode")
@@ -151,6 +164,7 @@ def render(answer: dict[str, Any]) -> str:
                 _fmt(decode.get("cost_s") if decode is not None else None),
                 _fmt(w.get("pool_tokens")),
                 _fmt(w.get("working_set_tokens")),
+                *([_cpu_tier(w)] if cpu_tier else []),
                 _groups(w),
             ]
         )

@@ -242,8 +242,15 @@ class RouterMetrics:
         index: IndexView | None,
         events: EventFeed | None,
         clock: Callable[[], float] = time.monotonic,
+        cpu_tier_tokens_per_s: float | None = None,
     ) -> None:
-        self.registry.register(WorkerStateCollector(registry, index, events, clock))
+        """Export the per-worker gauges, read at scrape time. With `cpu_tier_tokens_per_s`
+        (the configured rate, given when `policy.learn_cpu_tier_rate` learns each worker's),
+        also the rate each worker's CPU-tier tokens are priced at and whether it is learned;
+        without it those two gauges have no series."""
+        self.registry.register(
+            WorkerStateCollector(registry, index, events, clock, cpu_tier_tokens_per_s)
+        )
         if isinstance(events, EventSeriesSource):
             # the streams are followed in other processes: export what they observed instead
             # of this process's (idle) event families, under the same names and buckets
@@ -321,7 +328,7 @@ class ScalarGauge(Collector):
 
 
 class WorkerStateCollector(Collector):
-    """Per-worker gauges computed at scrape time."""
+    """Per-worker gauges computed at scrape time (a removed worker's series go with it)."""
 
     def __init__(
         self,
@@ -329,11 +336,13 @@ class WorkerStateCollector(Collector):
         index: IndexView | None,
         events: EventFeed | None,
         clock: Callable[[], float],
+        cpu_tier_tokens_per_s: float | None = None,
     ) -> None:
         self._workers = workers
         self._index = index
         self._events = events
         self._clock = clock
+        self._cpu_tier_configured = cpu_tier_tokens_per_s
 
     def collect(self) -> Iterator[Metric]:
         now = self._clock()
@@ -361,6 +370,18 @@ class WorkerStateCollector(Collector):
             "kvroute_worker_kv_capacity_tokens",
             "Tokens the worker's KV pool holds, from vllm:cache_config_info (scraped)",
         )
+        cpu_rate = fam(
+            "kvroute_worker_cpu_tier_tokens_per_second",
+            "Rate the policy prices the worker's CPU-tier tokens at: learned from its engine's "
+            "/metrics, bounded, or policy.cpu_tier_tokens_per_s until learned "
+            "(with policy.learn_cpu_tier_rate)",
+        )
+        cpu_learned = fam(
+            "kvroute_worker_cpu_tier_rate_learned",
+            "1 when the worker's CPU-tier rate is learned, 0 while the configured one stands "
+            "(with policy.learn_cpu_tier_rate)",
+        )
+        configured = self._cpu_tier_configured
         for w in self._workers:
             name = [w.name]
             running.add_metric(name, w.load.running)
@@ -376,6 +397,9 @@ class WorkerStateCollector(Collector):
                     kv.add_metric(name, m.kv_usage)
             if w.load.steps.period is not None:
                 step.add_metric(name, w.load.steps.period)
+            if configured is not None:
+                cpu_rate.add_metric(name, w.load.cpu_tier.tokens_per_s(configured))
+                cpu_learned.add_metric(name, int(w.load.cpu_tier.learned is not None))
             healthy.add_metric(name, -1 if w.healthy is None else int(w.healthy))
             breaker.add_metric(name, STATE_CODES[w.breaker.state])
             draining.add_metric(name, int(w.state == "draining"))
@@ -391,4 +415,4 @@ class WorkerStateCollector(Collector):
                     if status.last_message_at is not None:
                         lag.add_metric(name, max(0.0, now - status.last_message_at))
         yield from (running, queued, eng_running, eng_waiting, kv, healthy, breaker, draining)
-        yield from (valid, entries, live, lag, step, capacity)
+        yield from (valid, entries, live, lag, step, capacity, cpu_rate, cpu_learned)

@@ -146,6 +146,9 @@
       if (load.step_period_s) {
         loadCell.appendChild(el("div", "step " + (load.step_period_s * 1000).toFixed(1) + " ms", "muted"));
       }
+      if (load.cpu_tier_tokens_per_s !== null && load.cpu_tier_tokens_per_s !== undefined) {
+        loadCell.appendChild(cpuTierLine(load));
+      }
       tr.appendChild(loadCell);
 
       const kv = td();
@@ -205,6 +208,23 @@
       body.appendChild(tr);
     }
     $("fleet-summary").textContent = ready + " of " + data.workers.length + " ready";
+  }
+
+  // The rate a worker's CPU-tier tokens are priced at, present when the router learns each
+  // worker's (policy.learn_cpu_tier_rate): learned from its engine's loads, or the configured
+  // one until then. The learned rate is bounded around the configured one; the title says
+  // what was measured.
+  function cpuTierLine(load) {
+    const measured = load.cpu_tier_tokens_per_s_learned;
+    const learned = measured !== null && measured !== undefined;
+    const line = el("div", "CPU tier " + num(Math.round(load.cpu_tier_tokens_per_s)) + " tokens/s " +
+      (learned ? "learned" : "configured"), "muted cpu-tier");
+    line.dataset.tokensPerS = String(load.cpu_tier_tokens_per_s);
+    line.dataset.learned = String(learned);
+    line.title = learned
+      ? "measured " + num(Math.round(measured)) + " tokens/s from the engine's CPU-tier loads"
+      : "policy.cpu_tier_tokens_per_s, until the engine's CPU-tier loads teach a rate";
+    return line;
   }
 
   // A worker's KV pool (what its engine reports, and the most blocks its events showed per

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from bench.chain_diagnosis import diagnose, main, summarize
+from bench.chain_diagnosis import _align_decisions, diagnose, main, summarize
 
 BLOCK = 512
 
@@ -114,6 +114,16 @@ def test_decisions_pair_with_requests_that_overtook_each_other(tmp_path: Path) -
     decisions[2]["id"], decisions[3]["id"] = 3, 4
     rows = {r.id: r for r in diagnose(trace, records, decisions)}
     assert (rows["mc-000002"].reason, rows["mc-000003"].reason) == ("prefix", "load")
+
+
+def test_a_decision_made_many_places_out_of_send_order_still_pairs() -> None:
+    # a burst: request 40 of 60 reached the router before 35 that were sent before it
+    records = [_record(i, "w0", 0, 1000 + i) for i in range(60)]
+    order = [i for i in range(60) if i != 40]
+    order.insert(5, 40)
+    decisions = [{"id": k + 1, "prompt_tokens": 1000 + i} for k, i in enumerate(order)]
+    paired = _align_decisions(records, decisions)
+    assert all(paired[f"mc-{i:06d}"]["prompt_tokens"] == 1000 + i for i in range(60))
 
 
 def test_failed_requests_are_left_out(tmp_path: Path) -> None:

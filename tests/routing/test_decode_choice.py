@@ -19,7 +19,7 @@ import pytest
 from kvroute.router.config import PdConfig, PolicyConfig
 from kvroute.router.fleet.load import LoadTicket
 from kvroute.router.fleet.workers import Worker
-from kvroute.router.routing.decode_choice import choose_decode
+from kvroute.router.routing.decode_choice import DecodeChoice, choose_decode
 from kvroute.router.routing.policy import LoadModel
 from kvroute.sim.timing import DEFAULT_GPU
 from tests.router.decode_workers import decoders
@@ -50,6 +50,15 @@ def block_transfer_s(cfg: PdConfig) -> float:
     return BLOCK * cfg.kv_bytes_per_token / (cfg.link_gbps * 1e9 / 8)
 
 
+def choose_between(running_d0: int, running_d1: int, held: dict[str, int]) -> DecodeChoice:
+    """The decode choice for a 2,200-token prompt between d0 and d1, running that many
+    sequences and holding `held` prompt tokens."""
+    ws = decoders(2)
+    running(ws[0], running_d0)
+    running(ws[1], running_d1)
+    return choose_decode(ws, held, 2200, load_model(), PdConfig(), 0.0)
+
+
 def test_the_charge_is_what_one_more_sequence_costs_a_decode_step() -> None:
     cfg = PdConfig()
     assert cfg.kv_bytes_per_token == DEFAULT_GPU.kv_bytes_per_token
@@ -70,10 +79,7 @@ def test_one_running_sequence_weighs_a_few_blocks_of_transfer_not_dozens() -> No
 def test_a_conversation_returns_to_the_decode_worker_holding_its_blocks() -> None:
     # the median trade the old charge lost (bench/results/2026-12-06-pd-routing, "Where
     # kvroute loses"): the holder has 480 more prompt tokens (30 blocks) and runs 2 more
-    ws = decoders(2)
-    running(ws[0], 6)
-    running(ws[1], 4)
-    choice = choose_decode(ws, {"d0": 1800, "d1": 1320}, 2200, load_model(), PdConfig(), 0.0)
+    choice = choose_between(6, 4, {"d0": 1800, "d1": 1320})
     assert choice.chosen is not None and choice.chosen.name == "d0"
     by = {c.name: c for c in choice.candidates}
     saving = by["d1"].terms["transfer"] - by["d0"].terms["transfer"]
@@ -85,19 +91,13 @@ def test_a_conversation_returns_to_the_decode_worker_holding_its_blocks() -> Non
 def test_a_later_turn_returns_to_its_decode_worker_while_that_one_is_somewhat_busier() -> None:
     # a third turn: 1,500 of its 2,200 tokens on d0 from the earlier turns, only the shared
     # system prompt on d1; d0 runs 8 more sequences (twice d1's): still worth the 94 blocks
-    ws = decoders(2)
-    running(ws[0], 16)
-    running(ws[1], 8)
-    choice = choose_decode(ws, {"d0": 1800, "d1": 300}, 2200, load_model(), PdConfig(), 0.0)
+    choice = choose_between(16, 8, {"d0": 1800, "d1": 300})
     assert choice.chosen is not None and choice.chosen.name == "d0"
 
 
 def test_a_much_busier_holder_still_loses() -> None:
     # 30 blocks saved are not worth 20 more sequences in every step of this one's decode
-    ws = decoders(2)
-    running(ws[0], 24)
-    running(ws[1], 4)
-    choice = choose_decode(ws, {"d0": 1800, "d1": 1320}, 2200, load_model(), PdConfig(), 0.0)
+    choice = choose_between(24, 4, {"d0": 1800, "d1": 1320})
     assert choice.chosen is not None and choice.chosen.name == "d1"
 
 

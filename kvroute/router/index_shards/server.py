@@ -374,7 +374,6 @@ class ShardServer:
         self._next_conn = 0
         self._answering = False
         self._ratelog = RateLimitedLog(log, interval_s=10.0)
-        self.jumped = 0  # queries answered ahead of a batch (tests, diagnosis)
 
     async def start(self) -> None:
         with_suppress_unlink(self.path)
@@ -577,7 +576,7 @@ class ShardServer:
                     continue
                 while budget and conn.inbox and isinstance(conn.inbox[0], _JUMPS):
                     budget -= 1
-                    self.jumped += 1
+                    self.shard.metrics.event_queries_ahead.inc()
                     if not self._handle(conn, conn.inbox.popleft()):
                         break
                 if conn.fd in self._conns and conn.inbox:

@@ -200,6 +200,12 @@ class RouterMetrics:
             ["worker"],
             registry=r,
         )
+        self.event_queries_ahead = Counter(
+            "kvroute_event_queries_ahead_of_batch",
+            "Index queries an index shard answered ahead of a batch waiting to be applied "
+            "(at most 16 per batch; 0 without index.processes)",
+            registry=r,
+        )
         self.event_apply_seconds = Histogram(
             "kvroute_event_apply_seconds",
             "Time to apply one batch or snapshot to the index (on the event loop)",

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvroute.router.edge.errors import RouterError
-from kvroute.router.edge.json_input import decode_json, decode_object
+from kvroute.router.edge.json_input import decode_json, decode_object, has_long_digit_run
 from kvroute.router.edge.openai_request import (
     CHAT,
     COMPLETIONS,
@@ -162,3 +162,27 @@ def test_invalid_json_is_logged_once_per_interval(caplog: pytest.LogCaptureFixtu
     asyncio.run(go())
     logged = [rec for rec in caplog.records if "not valid JSON" in rec.getMessage()]
     assert len(logged) == 1
+
+
+def _reference_long_run(raw: bytes) -> bool:
+    run = 0
+    for b in raw:
+        run = run + 1 if 0x30 <= b <= 0x39 else 0
+        if run >= 20:
+            return True
+    return False
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.one_of(
+            st.binary(max_size=6),
+            st.sampled_from([b"0", b"9", b"5", b" ", b"-", b".", b"e", b"\xd9", b"\x39\x00"]),
+            st.integers(0, 30).map(lambda n: b"7" * n),
+        ),
+        max_size=40,
+    ).map(b"".join)
+)
+def test_the_digit_run_check_is_a_run_of_twenty_ascii_digits(raw: bytes) -> None:
+    assert has_long_digit_run(raw) is _reference_long_run(raw)

@@ -29,3 +29,7 @@ def test_tokenize_bench_smoke(tmp_path: Path) -> None:
     # hit the cache and encoded about the new text, not the shared blocks
     assert c["departing_hits"] == c["reps"]
     assert 750 <= c["departing_encoded_tokens"] < 750 + 2 * c["partial_tokens"] + 64
+    # the request body of such a prompt was decoded, and the check timed beside the regex
+    body = c["body"]
+    assert body["bytes"] > 4_000  # smoke prompts are short
+    assert body["decode_json_ms"] > 0 and body["digit_check_ms"] > 0 and body["digit_regex_ms"] > 0

@@ -51,7 +51,8 @@ for name in sorted(p.name.split(".")[0] for p in (HERE / "runs").glob("*.records
     cached = sum(r["cached_tokens"] or 0 for r in rs) / sum(r["prompt_tokens"] for r in rs)
     print(
         f"| {name} | {ms(rs, 'ttft', 0.5)} | {ms(rs, 'ttft', 0.9)} | {ms(rs, 'forward_s', 0.5)} "
-        f"| {ms(early, 'ttft', 0.5)}, {ms(early, 'forward_s', 0.5)} / {ms(early, 'forward_s', 0.9)} "
+        f"| {ms(early, 'ttft', 0.5)}, {ms(early, 'forward_s', 0.5)} / "
+        f"{ms(early, 'forward_s', 0.9)} "
         f"| {ms(late, 'ttft', 0.5)} / {ms(late, 'ttft', 0.9)}, {ms(late, 'forward_s', 0.5)} "
         f"| {cached * 100:.1f}% | {heads(name)} |"
     )

@@ -16,7 +16,6 @@ The walk that checks this runs only when the raw bytes could hold a violation, s
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import msgspec
@@ -27,7 +26,16 @@ _decoder = msgspec.json.Decoder()
 _MESSAGE_CHARS = 200  # the decoder's reason, cut so an error body never echoes much input
 MAX_DEPTH = 64
 _INT_MIN, _INT_MAX = -(2**63), 2**64 - 1
-_LONG_DIGITS = re.compile(rb"[0-9]{20}")  # any integer outside 64 bits has 20+ digits
+# Any integer outside 64 bits has 20+ digits in a row. Digits map to b"0", all else to a
+# space, and the run is searched for as bytes: 0.05 ms for a 56-KB prompt body where a regex
+# took 0.64 ms, six times the decode itself (`bench/results/tokenize.md`, "Request body").
+_DIGITS_ONLY = bytes(0x30 if 0x30 <= b <= 0x39 else 0x20 for b in range(256))
+_LONG_RUN = b"0" * 20
+
+
+def has_long_digit_run(raw: bytes) -> bool:
+    """Whether `raw` holds 20 or more ASCII digits in a row."""
+    return _LONG_RUN in raw.translate(_DIGITS_ONLY)
 
 
 def decode_json(raw: bytes) -> Any:
@@ -38,7 +46,7 @@ def decode_json(raw: bytes) -> Any:
         # ValueError covers UnicodeDecodeError and out-of-range numbers
         reason = str(exc)[:_MESSAGE_CHARS] or type(exc).__name__
         raise _invalid(f"not valid JSON: {reason}") from None
-    if raw.count(b"[") + raw.count(b"{") > MAX_DEPTH or _LONG_DIGITS.search(raw):
+    if raw.count(b"[") + raw.count(b"{") > MAX_DEPTH or has_long_digit_run(raw):
         _check_shape(value)
     return value
 

@@ -186,6 +186,10 @@ def test_it_shows_what_an_operator_needs(dashboard: dict[str, Any]) -> None:
         "per-worker load": ["kvroute_worker_running", "kvroute_worker_queued_prefill_tokens"],
         "per-worker index size": ["kvroute_worker_index_entries"],
         "event lag": ["kvroute_worker_events_age_seconds"],
+        "each worker's CPU-tier rate": [
+            "kvroute_worker_cpu_tier_tokens_per_second",
+            "kvroute_worker_cpu_tier_rate_learned",
+        ],
     }.items():
         for name in names:
             assert re.search(rf"\b{name}\b", text), f"{topic}: {name} not shown"

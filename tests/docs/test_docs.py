@@ -24,8 +24,9 @@ def _page_id(page: Path) -> str:
     return str(page.relative_to(ROOT))
 
 
-def test_readme_is_at_most_15000_characters() -> None:
-    assert len(README.read_text(encoding="utf-8")) <= 15_000
+def test_readme_is_at_most_15000_bytes() -> None:
+    # counted in UTF-8 bytes: the README's arrows and box lines take 3 bytes each
+    assert len(README.read_bytes()) <= 15_000
 
 
 def test_readme_keeps_the_two_commands() -> None:

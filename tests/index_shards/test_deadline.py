@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry
 from kvroute.indexer import content_keys
 from kvroute.router.index_shards import wire
 from kvroute.router.index_shards.client import MAX_OUTSTANDING, ShardedIndexView
+from tests.index_shards.test_serve_process import until
 
 
 class FakeShard:
@@ -27,6 +28,7 @@ class FakeShard:
         self.silent = False
         self.received: list[wire.Query] = []
         self.held: list[wire.Query] = []
+        self.one_way: list[wire.ToShard] = []
         self._server = socket.socket(socket.AF_UNIX)
         self._server.bind(path)
         self._server.listen()
@@ -41,13 +43,22 @@ class FakeShard:
         while data := _recv(conn):
             for body in reader.feed(data):
                 q = wire.decode_to_shard(body)
-                assert isinstance(q, wire.Query)
+                if not isinstance(q, wire.Query):
+                    self.one_way.append(q)
+                    continue
                 with self._lock:
                     self.received.append(q)
                     if self.silent:
                         self.held.append(q)
                     else:
                         conn.sendall(wire.frame(self.answer(q)))
+
+    def close(self) -> None:
+        """Gone as a killed shard is: the socket file stays, nothing listens on it."""
+        self._server.close()
+        if self._conn is not None:
+            self._conn.shutdown(socket.SHUT_RDWR)
+            self._conn.close()
 
     def answer(self, q: wire.Query) -> wire.Answer:
         return wire.Answer(q.id, scores={self.worker: 7 * len(q.keys)})
@@ -129,3 +140,23 @@ def test_a_shard_that_is_not_there_is_no_evidence(tmp_path: Path) -> None:
     assert view.reach(PROMPT) == ({}, {})
     view.expect("w", PROMPT, "", "", 1.0)  # one-way: dropped, counted
     assert missed(view, 0) == 3
+
+
+def test_a_restarted_shard_answers_the_first_query_after_it(tmp_path: Path) -> None:
+    """The view's connection to the old process is dead; the first query finds that out
+    on sending and goes to the new process at once: no decision without that shard."""
+    path = str(tmp_path / "a.sock")
+    old = FakeShard(path, "wa")
+    view = ShardedIndexView([path], deadline_s=0.5, registry=CollectorRegistry())
+    assert view.score(PROMPT) == {"wa": 28}
+    old.close()
+    Path(path).unlink()
+    new = FakeShard(path, "wa2")
+    time.sleep(0.05)  # the old connection's end has reached the view's socket
+    assert view.score(PROMPT) == {"wa2": 28}
+    view.expect("wa2", PROMPT, "", "", 1.0)  # one-way: sent, not dropped
+    assert missed(view, 0) == 0
+    assert view.links[0].connects == 2
+    until(lambda: len(new.one_way) == 1, 5.0)
+    view.close()
+    assert len(new.received) == 1 and isinstance(new.one_way[0], wire.Expect)

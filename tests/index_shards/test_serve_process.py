@@ -117,10 +117,16 @@ def test_router_processes_share_the_hosts_shards(tmp_path: Path) -> None:
             assert worker in {w["name"] for w in cfg["workers"]}
         until(lambda: len(shard_pids(router.popen.pid)) == 2, 30.0)
         assert shards[0] not in shard_pids(router.popen.pid)
-        until(lambda: get(url + "/readyz")[0] == 200, 60.0)
-        until(lambda: all((w["events"] or {}).get("state") == "live" for w in workers(url)), 60)
+        # each router process has its own connections to the shards: ask until several
+        # answers in a row (from either process) say the index is back
+        until(lambda: all(caught_up(url) for _ in range(8)), 60.0)
         turns = conversation(10, 2)
         assert turns[1][0] == turns[0][0] and turns[1][1] > 100, turns
+
+
+def caught_up(url: str) -> bool:
+    ready = get(url + "/readyz")[0] == 200
+    return ready and all((w["events"] or {}).get("state") == "live" for w in workers(url))
 
 
 def workers(url: str) -> list[dict[str, Any]]:

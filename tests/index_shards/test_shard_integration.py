@@ -71,6 +71,9 @@ def test_a_killed_shard_costs_evidence_not_requests_and_catches_up() -> None:
             pid = sup.pid(shard)
             assert pid is not None
             os.kill(pid, signal.SIGKILL)
+            # the admin API stops saying "live" for the dead shard's workers
+            await until(lambda: r.parts.events.status(home).state != "live", timeout=5)
+            assert "unreachable" in r.parts.events.status(home).last_error
             # while the shard is down (or restarting): every request is still answered
             for i in range(4):
                 other = [{"role": "user", "content": f"Another conversation {i}. " * 30}]

@@ -89,11 +89,19 @@ class QueryLink:
         self._retry_at = self._clock() + self._backoff
 
     def send(self, data: bytes) -> bool:
-        """Queue one frame and write what the socket takes now; False if not connected."""
+        """Queue one frame and write what the socket takes now; False if not connected. An
+        older connection found dead on sending (its shard restarted) is replaced at once."""
+        older = self.sock is not None
         if not self.ensure():
             return False
         self._outbox += data
         self.flush()
+        if self.sock is None and older:  # the restarted shard may be listening already
+            self._retry_at = 0.0
+            if not self.ensure():
+                return False
+            self._outbox += data
+            self.flush()
         if len(self._outbox) > MAX_OUTBOX_BYTES:  # the shard reads nothing: start afresh
             self.reset()
             return False

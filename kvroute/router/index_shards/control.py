@@ -30,6 +30,8 @@ from kvroute.router.routing.index_view import IndexStats
 
 log = logging.getLogger("kvroute.router.index_shards")
 MAX_CONTROL_BACKLOG = 4 * 1024 * 1024  # unsent control bytes before the connection is reset
+# a local socket's connect costs microseconds: a restarted shard is found within this
+MAX_RECONNECT_DELAY_S = 0.5
 
 
 def _ref(worker: Worker) -> wire.WorkerRef:
@@ -192,10 +194,21 @@ class ShardedEvents:
                 if c.writer is not None:
                     c.writer.close()
                 c.writer = None
-                c.answered = False
-                self.up.labels(str(c.shard)).set(0)
+                self._lost(c)
             await asyncio.sleep(delay * (0.8 + 0.4 * random.random()))
-            delay = min(delay * 2, 2.0)
+            delay = min(delay * 2, MAX_RECONNECT_DELAY_S)
+
+    def _lost(self, c: _Control) -> None:
+        """The shard's word no longer holds: its workers show as connecting (not the dead
+        process's last "live") and have no index statistics until the shard answers again."""
+        if c.answered:
+            now = self._clock()
+            why = f"index shard {c.shard} unreachable"
+            for name in c.workers:
+                self._status[name] = StreamStatus(state=CONNECTING, since=now, last_error=why)
+                self._view.note_stats(name, None)
+        c.answered = False
+        self.up.labels(str(c.shard)).set(0)
 
     async def _connected(self, c: _Control) -> None:
         reader, writer = await asyncio.open_unix_connection(c.path, limit=1 << 16)

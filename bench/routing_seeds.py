@@ -44,7 +44,13 @@ from typing import Any
 
 from bench.report import engines_label, fmt, markdown_table, routing_markdown, routing_plot
 from bench.routing_bench import build_config, parse_args, run_profile
-from kvroute.testbed.stats import TTFT_PART_LABELS, TTFT_PARTS, paired_bootstrap, percentile
+from kvroute.testbed.stats import (
+    TTFT_PART_LABELS,
+    TTFT_PARTS,
+    paired_bootstrap,
+    paired_bootstrap_mean,
+    percentile,
+)
 
 ORACLE = "oracle"
 
@@ -82,6 +88,12 @@ def _tpot(r: dict[str, Any]) -> float | None:
     if n < 2 or r.get("latency") is None:
         return None
     return (float(r["latency"]) - float(r["ttft"])) / (n - 1)
+
+
+def _pulled(r: dict[str, Any]) -> float | None:
+    """KV blocks the answering decode engine pulled for the request (None: not reported)."""
+    x = r.get("pulled_blocks")
+    return None if x is None else float(x)
 
 
 def _by_session(
@@ -199,6 +211,7 @@ def aggregate(
     sessions = {k: _by_session(v) for k, v in answered.items()}
     pd = any("pd" in row for s in seeds for row in ok[s].values())
     tpots = {k: _by_session(v, _tpot) for k, v in answered.items()} if pd else {}
+    pulls = {k: _by_session(v, _pulled) for k, v in answered.items()} if pd else {}
     routers: list[dict[str, Any]] = []
     for name in names:
         rows = {s: ok[s][name] for s in seeds if name in ok[s]}
@@ -227,7 +240,8 @@ def aggregate(
         }
         if pd:
             pooled_tpot = [t for s in rows for ts in tpots[s, name].values() for t in ts]
-            stats["pd"] = pd_spreads(list(rows.values()), pooled_tpot)
+            pooled_blocks = [b for s in rows for bs in pulls[s, name].values() for b in bs]
+            stats["pd"] = pd_spreads(list(rows.values()), pooled_tpot, pooled_blocks)
         routers.append(stats)
     if reference is not None and reference in names:
         ref: str | None = reference
@@ -256,14 +270,21 @@ def aggregate(
             for q, pct in (("tpot_p50", 50.0), ("tpot_p99", 99.0)):
                 d = paired_bootstrap(clusters, pct)
                 entry["pooled_diff"][q] = None if d is None else d.to_json()
+            d = paired_bootstrap_mean(_pairs(pulls, common, ref, name))
+            entry["pooled_diff"]["blocks_per_request"] = None if d is None else d.to_json()
         paired.append(entry)
     _add_oracle_share(routers, ok)
     return {"seeds": seeds, "reference": ref, "routers": routers, "paired": paired}
 
 
-def pd_spreads(rows: Sequence[dict[str, Any]], pooled_tpot: Sequence[float]) -> dict[str, Any]:
+def pd_spreads(
+    rows: Sequence[dict[str, Any]],
+    pooled_tpot: Sequence[float],
+    pooled_blocks: Sequence[float] = (),
+) -> dict[str, Any]:
     """A prefill/decode router's per-seed results (routing_bench rows with ``pd``) as medians
-    and ranges over the seeds, with the TPOT percentiles of every seed's requests pooled."""
+    and ranges over the seeds, with the TPOT percentiles of every seed's requests pooled and
+    the mean of the KV blocks pulled for each request that reported them (None: none did)."""
 
     def spread(get: Callable[[dict[str, Any]], Any]) -> dict[str, float] | None:
         return _spread([float(x) for r in rows if "pd" in r and (x := get(r)) is not None])
@@ -279,6 +300,8 @@ def pd_spreads(rows: Sequence[dict[str, Any]], pooled_tpot: Sequence[float]) -> 
             "requests": len(pooled_tpot),
             "tpot_p50": percentile(pooled_tpot, 50),
             "tpot_p99": percentile(pooled_tpot, 99),
+            "blocks_requests": len(pooled_blocks),
+            "blocks_per_request": statistics.fmean(pooled_blocks) if pooled_blocks else None,
         },
     }
 
@@ -416,6 +439,7 @@ def _pd_lines(agg: dict[str, Any]) -> list[str]:
             _range(r["pd"]["decode_cached_ratio"], pct=True),
             _range(r["pd"]["pulls_per_request"]),
             _range(r["pd"]["blocks_per_request"]),
+            _blocks(r["pd"]["pooled"].get("blocks_per_request")),
         ]
         for r in runs
     ]
@@ -429,19 +453,25 @@ def _pd_lines(agg: dict[str, Any]) -> list[str]:
         "decode pool cached %",
         "pulls per request",
         "blocks pulled per request",
+        "pooled blocks per request",
     ]
     lines = [
         "Prefill/decode (median over seeds, range in brackets): time per output token after "
         "the first; the prompt tokens each pool's engines found in their own prefix cache; the "
         "decode engines' pulls from a prefill engine and the 16-token KV blocks they moved, per "
-        "answered request.",
+        "answered request; pooled: the mean over every request whose decode engine reported "
+        "its pull.",
         "",
         markdown_table(headers, rows),
         "",
     ]
     ref = agg["reference"]
     prow = [
-        [p["other"], *(_interval(p["pooled_diff"].get(q), 2) for q in ("tpot_p50", "tpot_p99"))]
+        [
+            p["other"],
+            *(_interval(p["pooled_diff"].get(q), 2) for q in ("tpot_p50", "tpot_p99")),
+            _blocks_interval(p["pooled_diff"].get("blocks_per_request")),
+        ]
         for p in agg["paired"]
         if "tpot_p50" in p.get("pooled_diff", {})
     ]
@@ -451,12 +481,24 @@ def _pd_lines(agg: dict[str, Any]) -> list[str]:
                 [
                     "other router",
                     *(f"pooled TPOT {q}: {ref} minus other (95% CI)" for q in ("p50", "p99")),
+                    f"blocks per request: {ref} minus other (95% CI)",
                 ],
                 prow,
             ),
             "",
         ]
     return lines
+
+
+def _blocks(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f}"
+
+
+def _blocks_interval(d: dict[str, Any] | None) -> str:
+    if d is None:
+        return "-"
+    lo, diff, hi = (f"{d[k]:+.1f}" for k in ("low", "diff", "high"))
+    return f"{diff} [{lo}, {hi}]: {d['verdict']}"
 
 
 def _range_ms(sp: dict[str, float] | None) -> str:

@@ -107,6 +107,9 @@ def _split_ttft(rec: RequestRecord, t0: float, timing: dict[str, Any]) -> None:
     rec.queue_s = admitted - arrival
     rec.prefill_s = first - admitted
     rec.return_s = t0 + rec.ttft - first
+    pulled = timing.get("pulled_blocks")
+    if isinstance(pulled, int) and not isinstance(pulled, bool) and pulled >= 0:
+        rec.pulled_blocks = pulled
 
 
 async def send_one(

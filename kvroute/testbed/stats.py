@@ -6,7 +6,8 @@ import gzip
 import json
 import math
 import random
-from collections.abc import Sequence
+import statistics
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,8 @@ class RequestRecord:
     queue_s: float | None = None
     prefill_s: float | None = None
     return_s: float | None = None
+    # KV blocks the answering (decode) engine pulled from a prefill peer for this request
+    pulled_blocks: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -92,12 +95,35 @@ def paired_bootstrap(
     both routers replayed the same sessions, so resampling whole sessions, the same ones for
     both, keeps the pairing and the correlation between a session's turns. Seeded, so the
     same inputs give the same interval. None when either side has no values."""
+    return _paired(clusters, lambda xs: _pct(xs, q), iterations, level, seed)
+
+
+def paired_bootstrap_mean(
+    clusters: Sequence[tuple[Sequence[float], Sequence[float]]],
+    iterations: int = 1000,
+    level: float = 0.95,
+    seed: int = 0,
+) -> Difference | None:
+    """As `paired_bootstrap`, for the mean of the pooled values (e.g. KV blocks pulled per
+    request) instead of a percentile."""
+    return _paired(clusters, statistics.fmean, iterations, level, seed)
+
+
+def _paired(
+    clusters: Sequence[tuple[Sequence[float], Sequence[float]]],
+    stat: Callable[[Sequence[float]], float],
+    iterations: int,
+    level: float,
+    seed: int,
+) -> Difference | None:
+    """`stat` (given sorted values) of the first values minus that of the second, with the
+    paired cluster-bootstrap interval of `paired_bootstrap`."""
     kept = [(list(a), list(b)) for a, b in clusters if a or b]
     first = [x for a, _ in kept for x in a]
     second = [x for _, b in kept for x in b]
     if not first or not second:
         return None
-    diff = _pct(sorted(first), q) - _pct(sorted(second), q)
+    diff = stat(sorted(first)) - stat(sorted(second))
     rng = random.Random(seed)
     n = len(kept)
     draws: list[float] = []
@@ -111,7 +137,7 @@ def paired_bootstrap(
         if xs and ys:
             xs.sort()
             ys.sort()
-            draws.append(_pct(xs, q) - _pct(ys, q))
+            draws.append(stat(xs) - stat(ys))
     draws.sort()
     tail = (1.0 - level) / 2 * 100
     return Difference(diff, _pct(draws, tail), _pct(draws, 100 - tail), level)

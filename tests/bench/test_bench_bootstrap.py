@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from kvroute.testbed.stats import paired_bootstrap
+from kvroute.testbed.stats import paired_bootstrap, paired_bootstrap_mean
 
 
 def _sessions(n: int, seed: int, shift: float, noise: float, spread: float) -> list:
@@ -74,3 +74,25 @@ def test_empty_sides_give_none_and_one_sided_sessions_still_count() -> None:
     # first router's values [1, 3] (median 2), second's [2, 3] (median 2.5)
     assert d is not None and d.diff == pytest.approx(-0.5)
     assert d.low <= d.diff <= d.high
+
+
+def test_the_mean_of_counts_with_a_reference_difference() -> None:
+    """Blocks pulled per request: whole numbers, many zeros; the mean's difference is the
+    plain difference of pooled means, and its interval finds a one-block gap per request."""
+    rng = random.Random(6)
+    clusters = []
+    for _ in range(120):
+        b = [float(rng.choice([0, 0, 20, 40, 60])) for _ in range(3)]
+        clusters.append(([x + 1.0 if x else 1.0 for x in b], b))
+    d = paired_bootstrap_mean(clusters)
+    first = [x for a, _ in clusters for x in a]
+    second = [x for _, b in clusters for x in b]
+    assert d is not None
+    assert d.diff == pytest.approx(sum(first) / len(first) - sum(second) / len(second))
+    assert d.diff == pytest.approx(1.0) and d.verdict == "higher"
+    assert d.low == pytest.approx(1.0) and d.high == pytest.approx(1.0)  # a constant gap
+    mixed = [(a, b) for (a, _), (_, b) in zip(clusters, reversed(clusters), strict=True)]
+    loose = paired_bootstrap_mean(mixed)
+    assert loose is not None and loose.low < loose.diff < loose.high
+    assert loose.high - loose.low > 2.0  # unpaired sessions: the gap drowns
+    assert paired_bootstrap_mean([]) is None

@@ -119,10 +119,12 @@ def test_records_name_the_engine_that_answered(trace: list[TraceRequest]) -> Non
         assert all(p is not None and p >= 0 for p in parts), parts
         assert r.prefill_s and r.prefill_s > 0
         assert r.ttft is not None and abs(sum(p or 0.0 for p in parts) - r.ttft) < 1e-6
+        assert r.pulled_blocks == 0  # a mixed engine pulls no KV from a prefill peer
     with SimEngineThread(EngineConfig(model=MODEL, speed=2.0)) as unnamed:
         recs = _run(few, LoadConfig(url=unnamed.url, model=MODEL, time_scale=None, concurrency=3))
     assert all(r.ok for r in recs) and [r.worker for r in recs] == [None] * len(few)
     assert all(r.forward_s is None and r.return_s is None for r in recs)
+    assert all(r.pulled_blocks is None for r in recs)
 
 
 def test_closed_loop_clients_hold_one_conversation_each(

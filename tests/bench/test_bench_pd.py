@@ -180,12 +180,18 @@ def test_the_pd_table_shows_each_pool_and_the_pulls() -> None:
     assert pd_rows({"routers": [{**_pd_row("x", 0.1, 1, (0, 0)), "pd": None}]})[1] == []
 
 
-def _records(run_dir: Path, name: str, rows: list[tuple[str, float, float, int]]) -> None:
+def _records(
+    run_dir: Path,
+    name: str,
+    rows: list[tuple[str, float, float, int]],
+    pulled: list[int | None] | None = None,
+) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     with open(run_dir / f"{name}.records.jsonl", "w", encoding="utf-8") as f:
         for i, (session, ttft, latency, tokens) in enumerate(rows):
             rec = {"id": str(i), "session": session, "ttft": ttft, "latency": latency,
-                   "output_tokens": tokens, "status": 200, "error": None}  # fmt: skip
+                   "output_tokens": tokens, "status": 200, "error": None,
+                   "pulled_blocks": None if pulled is None else pulled[i]}  # fmt: skip
             f.write(json.dumps(rec) + "\n")
 
 
@@ -198,8 +204,17 @@ def test_seeds_aggregate_tpot_and_pools_with_intervals(tmp_path: Path) -> None:
     }  # fmt: skip
     dirs = {s: tmp_path / f"s{s}" for s in per_seed}
     for s in per_seed:  # kvroute 10 ms per token after the first, smg 20 ms, in 4 sessions
-        _records(dirs[s], "kvroute", [(f"c{i}", 0.1, 0.1 + 0.01 * 4, 5) for i in range(4)])
-        _records(dirs[s], "smg-pd", [(f"c{i}", 0.1, 0.1 + 0.02 * 4, 5) for i in range(4)])
+        # blocks each request pulled: kvroute 2 fewer in each session (one request unreported)
+        kv_pulled: list[int | None] = [10 * i + s for i in range(4)]
+        kv_pulled[3] = None
+        _records(
+            dirs[s], "kvroute", [(f"c{i}", 0.1, 0.1 + 0.01 * 4, 5) for i in range(4)], kv_pulled
+        )
+        smg_pulled: list[int | None] = [10 * i + s + 2 for i in range(4)]
+        smg_pulled[3] = None
+        _records(
+            dirs[s], "smg-pd", [(f"c{i}", 0.1, 0.1 + 0.02 * 4, 5) for i in range(4)], smg_pulled
+        )
     agg = aggregate(per_seed, dirs)
     kv, smg = agg["routers"]
     assert kv["pd"]["tpot_p50"] == pytest.approx({"median": 0.0065, "min": 0.006, "max": 0.007})
@@ -207,9 +222,15 @@ def test_seeds_aggregate_tpot_and_pools_with_intervals(tmp_path: Path) -> None:
     assert smg["pd"]["decode_cached_ratio"]["median"] == pytest.approx(0.45)
     assert kv["pd"]["pooled"]["requests"] == 8
     assert kv["pd"]["pooled"]["tpot_p50"] == pytest.approx(0.01)
+    # blocks per request: the mean of the 6 reported (0, 10, 20 and 1, 11, 21)
+    assert kv["pd"]["pooled"]["blocks_requests"] == 6
+    assert kv["pd"]["pooled"]["blocks_per_request"] == pytest.approx(63 / 6)
     (pair,) = agg["paired"]
     d = pair["pooled_diff"]["tpot_p50"]
     assert d["diff"] == pytest.approx(-0.01) and d["verdict"] == "lower"
+    b = pair["pooled_diff"]["blocks_per_request"]
+    assert b["diff"] == pytest.approx(-2.0) and b["verdict"] == "lower"
+    assert b["low"] == pytest.approx(-2.0) and b["high"] == pytest.approx(-2.0)
     first = {"fleet": {"workers": 4, "cache_backend": "sim"}, "replay": "open loop",
              "trace": {"name": "preset default, seed 0", "requests": 4}}  # fmt: skip
     md = markdown("dense", agg, first, "cmd")
@@ -218,6 +239,8 @@ def test_seeds_aggregate_tpot_and_pools_with_intervals(tmp_path: Path) -> None:
     first["fleet"]["pd"] = [1, 3]
     assert "Fleet: 1 prefill + 3 decode simulated engines" in markdown("dense", agg, first, "")
     assert "| smg-pd | -10.00 ms [-10.00, -10.00]: lower |" in md
+    assert "| -2.0 [-2.0, -2.0]: lower |" in md
+    assert "| 10.5 |" in md  # kvroute's pooled blocks per request
     # a run of mixed engines has no P/D table
     plain = {
         s: {"routers": [{k: x for k, x in r.items() if k != "pd"} for r in v["routers"]]}
@@ -227,11 +250,11 @@ def test_seeds_aggregate_tpot_and_pools_with_intervals(tmp_path: Path) -> None:
 
 
 # ---- the round-robin P/D proxy against simulated engines ----------------------------------
-def _engine(role: str) -> SimEngineThread:
+def _engine(role: str, name: str | None = None) -> SimEngineThread:
     cfg = EngineConfig(
         speed=50.0, num_blocks=512, max_model_len=2048, kv_transfer=TransferConfig(role)
     )
-    return SimEngineThread(cfg)
+    return SimEngineThread(cfg, name=name)  # a named engine reports its timing
 
 
 def _free_port() -> int:
@@ -271,8 +294,8 @@ class _Proxy:
 def pd_proxy() -> Iterator[tuple[str, SimEngineThread, list[SimEngineThread]]]:
     with (
         _engine("kv_producer") as producer,
-        _engine("kv_consumer") as d0,
-        _engine("kv_consumer") as d1,
+        _engine("kv_consumer", "decode-0") as d0,
+        _engine("kv_consumer", "decode-1") as d1,
         _Proxy(make_app([d0.url, d1.url], "round_robin", prefill=[producer.url])) as proxy,
     ):
         yield proxy.url, producer, [d0, d1]
@@ -297,6 +320,7 @@ def test_pd_proxy_takes_both_pools_in_turn_and_decode_pulls(
 ) -> None:
     url, producer, decodes = pd_proxy
     workers = []
+    pulled = {"decode-0": 0, "decode-1": 0}  # blocks, from each answer's engine timing
     for i in range(4):
         body = {"model": "kvroute-sim", "prompt": f"{i} {PROMPT}", "max_tokens": 5,
                 "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
@@ -306,8 +330,12 @@ def test_pd_proxy_takes_both_pools_in_turn_and_decode_pulls(
             chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
         assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
         assert chunks[-1]["usage"]["completion_tokens"] == 5
+        blocks = chunks[-1]["kvroute_engine_timing"]["pulled_blocks"]
+        pulled[chunks[-1]["system_fingerprint"]] += blocks
+        assert blocks >= len(PROMPT) // 4 // 16
     assert workers == ["prefill-0/decode-0", "prefill-0/decode-1"] * 2
     states = [_kv_state(d) for d in decodes]
+    assert [pulled["decode-0"], pulled["decode-1"]] == [s["blocks_pulled"] for s in states]
     assert [s["pulls"] for s in states] == [{"ok": 2}, {"ok": 2}]
     assert all(s["blocks_pulled"] >= 2 * (len(PROMPT) // 4 // 16) for s in states)
     produced = _kv_state(producer)

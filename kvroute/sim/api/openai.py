@@ -64,12 +64,14 @@ def engine_timing(handle: RequestHandle, received: float | None) -> dict[str, fl
     """When the engine received a request's headers, queued it (after reading and tokenizing
     it), admitted it and first answered it (CLOCK_MONOTONIC seconds, the clock every process
     on the host shares), so a client on the same host can split its TTFT into the hop to the
-    engine, the engine's parsing, the queue, the prefill and the hop back."""
+    engine, the engine's parsing, the queue, the prefill and the hop back; and the KV blocks
+    a decode engine pulled from its prefill peer for the request (0 for any other)."""
     return {
         "received": received,
         "arrival": handle.arrival,
         "admitted": handle.admitted_at,
         "first_token": handle.first_token_at,
+        "pulled_blocks": handle.request.pulled_blocks,
     }
 
 

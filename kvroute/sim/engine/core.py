@@ -108,6 +108,7 @@ class GenerateRequest:
     kv_transfer_params: Mapping[str, object] | None = None
     external_end: int = 0  # prompt tokens up to here were pulled from a prefill peer
     cached_tokens_reported: int | None = None  # what usage reports instead of the local hit
+    pulled_blocks: int = 0  # KV blocks this engine pulled from the prefill peer for it
 
 
 @dataclass(slots=True)
@@ -284,7 +285,9 @@ class Engine:
         if not isinstance(reported, int) or isinstance(reported, bool):
             reported = None
         end = hit + pulled.external_tokens if pulled.external_tokens else 0
-        return dataclasses.replace(req, external_end=end, cached_tokens_reported=reported)
+        return dataclasses.replace(
+            req, external_end=end, cached_tokens_reported=reported, pulled_blocks=pulled.blocks
+        )
 
     def abort(self, request_id: str) -> None:
         """The client went away: drop the request at the next step boundary."""

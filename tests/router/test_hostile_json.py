@@ -168,7 +168,7 @@ def _reference_long_run(raw: bytes) -> bool:
     run = 0
     for b in raw:
         run = run + 1 if 0x30 <= b <= 0x39 else 0
-        if run >= 20:
+        if run >= 19:
             return True
     return False
 
@@ -184,5 +184,34 @@ def _reference_long_run(raw: bytes) -> bool:
         max_size=40,
     ).map(b"".join)
 )
-def test_the_digit_run_check_is_a_run_of_twenty_ascii_digits(raw: bytes) -> None:
+def test_the_digit_run_check_is_a_run_of_nineteen_ascii_digits(raw: bytes) -> None:
     assert has_long_digit_run(raw) is _reference_long_run(raw)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(-(2**70), 2**70))
+def test_a_bare_integer_body_decodes_or_is_refused(value: int) -> None:
+    """A body that is one number is a value or a 400, never an exception of the check
+    itself; the 19-digit integers just below -2**63 are refused too."""
+    raw = str(value).encode()
+    if -(2**63) <= value <= 2**64 - 1:
+        assert decode_json(raw) == value
+    else:
+        with pytest.raises(RouterError) as caught:
+            decode_json(raw)
+        assert caught.value.kind.status == 400 and "64 bits" in caught.value.message
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"10000000000000000000",
+        b"12345678901234567890.5",
+        b'"' + b"0" * 25 + b'"',
+        b'"' + b"[" * 80 + b'"',
+    ],
+)
+def test_bare_scalars_with_long_digit_runs_or_brackets_are_values(raw: bytes) -> None:
+    assert decode_json(raw) == msgspec.json.decode(raw)
+    with pytest.raises(RouterError):
+        decode_object(raw)  # not an object: a 400 for a request body

@@ -26,15 +26,16 @@ _decoder = msgspec.json.Decoder()
 _MESSAGE_CHARS = 200  # the decoder's reason, cut so an error body never echoes much input
 MAX_DEPTH = 64
 _INT_MIN, _INT_MAX = -(2**63), 2**64 - 1
-# Any integer outside 64 bits has 20+ digits in a row. Digits map to b"0", all else to a
-# space, and the run is searched for as bytes: 0.05 ms for a 56-KB prompt body where a regex
-# took 0.62 ms, 35 times msgspec's decode of it (`bench/results/tokenize.md`, "Request body").
+# Any integer outside 64 bits has 19+ digits in a row (below -2**63: 19; above 2**64 - 1:
+# 20). Digits map to b"0", all else to a space, and the run is searched for as bytes: 0.05 ms
+# for a 56-KB prompt body where a regex took 0.62 ms, 35 times msgspec's decode of it
+# (`bench/results/tokenize.md`, "Request body").
 _DIGITS_ONLY = bytes(0x30 if 0x30 <= b <= 0x39 else 0x20 for b in range(256))
-_LONG_RUN = b"0" * 20
+_LONG_RUN = b"0" * 19
 
 
 def has_long_digit_run(raw: bytes) -> bool:
-    """Whether `raw` holds 20 or more ASCII digits in a row."""
+    """Whether `raw` holds 19 or more ASCII digits in a row."""
     return _LONG_RUN in raw.translate(_DIGITS_ONLY)
 
 
@@ -54,6 +55,10 @@ def decode_json(raw: bytes) -> Any:
 def _check_shape(value: Any) -> None:
     """RouterError if `value` nests deeper than MAX_DEPTH or holds an integer beyond 64 bits
     (iterative: the check itself must not recurse)."""
+    if not isinstance(value, dict | list):  # a bare number or string: nothing nests in it
+        if type(value) is int and not _INT_MIN <= value <= _INT_MAX:
+            raise _invalid("refused: an integer beyond 64 bits")
+        return
     stack: list[tuple[Any, int]] = [(value, 1)]
     while stack:
         node, depth = stack.pop()
@@ -65,8 +70,6 @@ def _check_shape(value: Any) -> None:
                 stack.append((item, depth + 1))
             elif type(item) is int and not _INT_MIN <= item <= _INT_MAX:
                 raise _invalid("refused: an integer beyond 64 bits")
-    if type(value) is int and not _INT_MIN <= value <= _INT_MAX:
-        raise _invalid("refused: an integer beyond 64 bits")
 
 
 def _invalid(reason: str) -> RouterError:

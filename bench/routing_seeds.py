@@ -470,7 +470,7 @@ def _pd_lines(agg: dict[str, Any]) -> list[str]:
         [
             p["other"],
             *(_interval(p["pooled_diff"].get(q), 2) for q in ("tpot_p50", "tpot_p99")),
-            _blocks_interval(p["pooled_diff"].get("blocks_per_request")),
+            _interval(p["pooled_diff"].get("blocks_per_request"), 1, scale=1.0, unit=""),
         ]
         for p in agg["paired"]
         if "tpot_p50" in p.get("pooled_diff", {})
@@ -492,13 +492,6 @@ def _pd_lines(agg: dict[str, Any]) -> list[str]:
 
 def _blocks(x: float | None) -> str:
     return "-" if x is None else f"{x:.1f}"
-
-
-def _blocks_interval(d: dict[str, Any] | None) -> str:
-    if d is None:
-        return "-"
-    lo, diff, hi = (f"{d[k]:+.1f}" for k in ("low", "diff", "high"))
-    return f"{diff} [{lo}, {hi}]: {d['verdict']}"
 
 
 def _range_ms(sp: dict[str, float] | None) -> str:
@@ -568,11 +561,15 @@ def _ms(x: float | None) -> str:
     return "-" if x is None else f"{x * 1000:+.2f} ms"
 
 
-def _interval(d: dict[str, Any] | None, nd: int = 1) -> str:
+def _interval(
+    d: dict[str, Any] | None, nd: int = 1, *, scale: float = 1000.0, unit: str = " ms"
+) -> str:
+    """A difference with its interval (seconds shown as ms by default; `scale` 1 and no
+    `unit` for counts such as blocks)."""
     if d is None:
         return "-"
-    lo, diff, hi = (f"{d[k] * 1000.0:+.{nd}f}" for k in ("low", "diff", "high"))
-    return f"{diff} ms [{lo}, {hi}]: {d['verdict']}"
+    lo, diff, hi = (f"{d[k] * scale:+.{nd}f}" for k in ("low", "diff", "high"))
+    return f"{diff}{unit} [{lo}, {hi}]: {d['verdict']}"
 
 
 def merge_earlier(new: dict[str, Any], earlier: dict[str, Any] | None) -> dict[str, Any]:

@@ -381,7 +381,7 @@ def test_slow_subscriber_gets_a_snapshot_and_others_are_unaffected(fleet: Fleet)
             await heal(http, fleet)
             e = fleet.engines[1]
             bridge = fleet.bridge(e.name)
-            bridge.args = ("--queue-size", "8")
+            bridge.args = ("--queue-size", "16")
             fleet.lb.restart_bridge(bridge, kill=False)
             await heal(http, fleet)
             # a subscriber that stops reading, with a small fixed HTTP/2 window so the bridge
@@ -397,8 +397,12 @@ def test_slow_subscriber_gets_a_snapshot_and_others_are_unaffected(fleet: Fleet)
                 before = await metrics(http, fleet.router.url)
                 docs = shared_prefix_prompts(480, 200, 1, words=400)
                 sent: list[dict[str, Any]] = []
-                for i in range(0, len(docs), 16):
-                    sent += await cache_on(http, e, docs[i : i + 16])
+                for i in range(0, len(docs), 4):
+                    sent += await cache_on(http, e, docs[i : i + 4])
+                    # the reading router drains each small step before the next, so only a
+                    # subscriber that stops reading can fall --queue-size messages behind
+                    newest = sent[-1:]
+                    await eventually(lambda b=newest: exact(http, fleet, b), timeout=10)
                     page = await metrics(http, bridge.http_url)
                     if metric(page, "kvroute_bridge_lagging_subscribers_total") >= 1:
                         break

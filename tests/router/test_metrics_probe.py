@@ -178,7 +178,9 @@ def scrape_times_with_own_prompts(
                     now[0] = float(t)
                     await probe(worker)
                     ticket = LoadTicket(worker.load, tokens_per_second)
-                    ticket.finish()  # finished requests' blocks stay cached in the pool
+                    # finished at once: the headroom counts every token sent (between two
+                    # reads it cannot tell a finished request from one still growing)
+                    ticket.finish()
             finally:
                 await upstream.close()
 

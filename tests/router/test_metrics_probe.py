@@ -4,7 +4,6 @@ own in-flight requests is counted as other routers' load, and nothing else is.""
 from __future__ import annotations
 
 import asyncio
-import itertools
 
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -14,7 +13,7 @@ from starlette.routing import Route
 from kvroute.router.config import BreakerConfig, LimitsConfig, TimeoutsConfig, WorkerSpec
 from kvroute.router.edge.upstream import Upstream
 from kvroute.router.fleet.health import MetricsProbe
-from kvroute.router.fleet.load import LoadTicket, ScrapeBackoff, WorkerLoad
+from kvroute.router.fleet.load import ScrapeBackoff
 from kvroute.router.fleet.workers import Worker, WorkerRegistry
 from tests.router.fake_engine import serve
 
@@ -131,79 +130,3 @@ def test_scrape_backoff_doubles_up_to_the_cap_and_resets() -> None:
         assert s.interval == expect
     s.scraped(47.0, quiet=False, base_s=1.0, max_s=16.0)
     assert s.interval == 1.0 and s.due(48.0)
-
-
-def test_scrape_backoff_is_due_early_once_own_tokens_use_up_the_headroom() -> None:
-    s = ScrapeBackoff()
-    s.scraped(0.0, quiet=True, base_s=1.0, max_s=16.0)
-    s.scraped(1.0, quiet=True, base_s=1.0, max_s=16.0, filled_total=500, headroom_tokens=1000)
-    assert s.interval == 2.0
-    assert not s.due(1.5, filled_total=1499)
-    assert s.due(1.5, filled_total=1500)
-    # without a headroom (pool size unknown) only the clock makes it due
-    s.scraped(3.0, quiet=True, base_s=1.0, max_s=16.0, filled_total=1500)
-    assert not s.due(4.0, filled_total=10**9) and s.due(6.75)
-
-
-def scrape_times_with_own_prompts(
-    kv_usage: float, pool_tokens: int | None, tokens_per_second: int
-) -> list[float]:
-    """When the probe read a quiet engine's /metrics over 40 s of a clock it runs at every
-    second, while this router sends the worker `tokens_per_second` prompt tokens each second;
-    the engine reports its pool as `pool_tokens` (None: no `vllm:cache_config_info`)."""
-    scrapes: list[float] = []
-    now = [0.0]
-    page = exposition(0, 0, kv_usage)
-    if pool_tokens is not None:
-        page += (
-            f'vllm:cache_config_info{{block_size="16",engine="0",'
-            f'kv_cache_size_tokens="{pool_tokens}",num_gpu_blocks="{pool_tokens // 16}"}} 1.0\n'
-        )
-
-    async def metrics(_: Request) -> Response:
-        scrapes.append(now[0])
-        return Response(page, media_type="text/plain")
-
-    async def go() -> None:
-        app = Starlette(routes=[Route("/metrics", metrics)])
-        async with serve(app) as url:
-            worker = WorkerRegistry(BreakerConfig()).add(WorkerSpec(name="w0", url=url))
-            upstream = Upstream(TimeoutsConfig(), LimitsConfig())
-            await upstream.start()
-            probe = MetricsProbe(
-                upstream, clock=lambda: now[0], base_s=1.0, max_s=16.0, kv_quiet_below=0.9
-            )
-            try:
-                for t in range(0, 40):
-                    now[0] = float(t)
-                    await probe(worker)
-                    ticket = LoadTicket(worker.load, tokens_per_second)
-                    # finished at once: the headroom counts every token sent (between two
-                    # reads it cannot tell a finished request from one still growing)
-                    ticket.finish()
-            finally:
-                await upstream.close()
-
-    asyncio.run(go())
-    return scrapes
-
-
-def test_own_prompts_that_could_fill_the_pool_bring_the_next_read_forward() -> None:
-    """A quiet page at usage 0.5 of a 100,000-token pool leaves 40,000 tokens to the quiet
-    mark (0.9): at 10,000 tokens a second the next read comes after 4 s at the latest, however
-    far the period has doubled; a pool of unknown size, or a trickle of prompts, keeps the
-    doubling."""
-    filling = scrape_times_with_own_prompts(0.5, 100_000, 10_000)
-    gaps = [b - a for a, b in itertools.pairwise(filling)]
-    assert max(gaps) == 4.0 and len(filling) >= 10
-    unknown_pool = scrape_times_with_own_prompts(0.5, None, 10_000)
-    assert unknown_pool[:6] == [0.0, 1.0, 3.0, 7.0, 15.0, 31.0]
-    trickle = scrape_times_with_own_prompts(0.5, 100_000, 100)
-    assert trickle == unknown_pool
-
-
-def test_a_ticket_counts_the_tokens_that_take_new_blocks() -> None:
-    load = WorkerLoad()
-    LoadTicket(load, 300).finish()
-    LoadTicket(load, 100, filled_tokens=700).finish()  # 600 loaded from the CPU tier
-    assert load.filled_tokens_total == 1000 and load.queued_prefill_tokens == 0

@@ -136,7 +136,7 @@ class TwoPhaseAttempt:
         metrics = self._metrics
         breaker = worker.breaker
         breaker.on_send(self._clock())
-        ticket = LoadTicket(worker.load, cand.uncached, cand.filled_tokens)
+        ticket = LoadTicket(worker.load, cand.uncached)
         self._prompt_size.observe(cand.uncached)
         self._routing.expect(worker, prompt)
         headers = req.headers

@@ -437,7 +437,7 @@ class Proxy:
         metrics = self._metrics
         breaker = worker.breaker
         breaker.on_send(self._clock())
-        ticket = LoadTicket(worker.load, cand.uncached, cand.filled_tokens)
+        ticket = LoadTicket(worker.load, cand.uncached)
         if half is None:
             self._prompt_size.observe(cand.uncached)
         self._routing.expect(worker, prompt)

@@ -178,8 +178,7 @@ class MetricsProbe:
 
     Each worker is read every `base_s` while its pages show something this process does not
     know (another router's requests, KV usage at `kv_quiet_below` or more), otherwise less
-    and less often, down to every `max_s`, and at once when the prompt tokens this process
-    sent since could have filled the pool to `kv_quiet_below` (`ScrapeBackoff`)."""
+    and less often, down to every `max_s` (`ScrapeBackoff`)."""
 
     def __init__(
         self,
@@ -200,8 +199,7 @@ class MetricsProbe:
 
     def due(self, worker: Worker) -> bool:
         """Whether the worker's next read is due (`ScrapeBackoff`)."""
-        load = worker.load
-        return load.scrape.due(self._clock(), load.filled_tokens_total)
+        return worker.load.scrape.due(self._clock())
 
     async def __call__(self, worker: Worker) -> None:
         load = worker.load
@@ -241,10 +239,4 @@ class MetricsProbe:
         quiet = load.others(now, float("inf")) == (0, 0) and (
             usage is None or usage < self._kv_quiet_below
         )
-        pool = load.capacity.tokens()
-        headroom = (
-            None
-            if not quiet or usage is None or pool is None
-            else max(0, int((self._kv_quiet_below - usage) * pool))
-        )
-        load.scrape.scraped(now, quiet, self._base, self._max, load.filled_tokens_total, headroom)
+        load.scrape.scraped(now, quiet, self._base, self._max)

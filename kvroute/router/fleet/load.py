@@ -48,45 +48,22 @@ class ScrapeBackoff:
     """When a worker's /metrics is next read. A scrape costs the engine's frontend CPU (a
     Python Prometheus page of several kB), so while scrapes keep showing nothing this process
     does not already know (no other router's requests, KV usage clear of saturation), the
-    period doubles up to a cap; the first scrape that shows something resets it.
-
-    This process's own prompts fill the pool between two reads, so a quiet page also leaves a
-    headroom: once the prompt tokens sent to the worker since the read could have filled it
-    (`headroom_tokens`, from the read's usage and the pool's size), the next read is due at
-    once. Without it a pool our own traffic filled stayed unseen for up to the cap."""
+    period doubles up to a cap; the first scrape that shows something resets it."""
 
     interval: float = 0.0  # 0: not scraped yet
     due_at: float = 0.0
-    filled_at: int = 0  # `WorkerLoad.filled_tokens_total` at the last read
-    headroom_tokens: int | None = None  # None: no early read (pool size or usage unknown)
 
-    def due(self, now: float, filled_total: int = 0) -> bool:
-        """Whether the next read is due: its time has come, or `filled_total` (the worker's
-        `WorkerLoad.filled_tokens_total`) has used up the headroom."""
-        if now >= self.due_at:
-            return True
-        headroom = self.headroom_tokens
-        return headroom is not None and filled_total - self.filled_at >= headroom
+    def due(self, now: float) -> bool:
+        return now >= self.due_at
 
-    def scraped(
-        self,
-        now: float,
-        quiet: bool,
-        base_s: float,
-        max_s: float,
-        filled_total: int = 0,
-        headroom_tokens: int | None = None,
-    ) -> None:
-        """Schedule the next scrape after one that was `quiet` (or not); `headroom_tokens`
-        more prompt tokens sent after `filled_total` make it due early."""
+    def scraped(self, now: float, quiet: bool, base_s: float, max_s: float) -> None:
+        """Schedule the next scrape after one that was `quiet` (or not)."""
         if quiet and self.interval > 0:
             self.interval = min(self.interval * 2, max_s)
         else:
             self.interval = base_s
         # a hair early, so the periodic job running every base_s finds it due
         self.due_at = now + self.interval - base_s / 4
-        self.filled_at = filled_total
-        self.headroom_tokens = headroom_tokens
 
 
 @dataclass(slots=True)
@@ -98,8 +75,6 @@ class WorkerLoad:
     queued_prefill_tokens: int = 0  # their uncached prompt tokens
     engine: EngineMetrics | None = None
     started_total: int = 0
-    # prompt tokens sent that take new GPU blocks (prefilled or loaded from a lower tier)
-    filled_tokens_total: int = 0
     steps: StepClock = field(default_factory=StepClock)  # learned from relayed stream chunks
     scrape: ScrapeBackoff = field(default_factory=ScrapeBackoff)
     capacity: KvCapacity = field(default_factory=KvCapacity)  # the engine's and the events'
@@ -124,9 +99,7 @@ class LoadTicket:
 
     __slots__ = ("_done_prefill", "_finished", "_load", "tokens")
 
-    def __init__(self, load: WorkerLoad, tokens: int, filled_tokens: int | None = None) -> None:
-        """`tokens`: the prompt tokens to prefill; `filled_tokens`: those that take new GPU
-        blocks (the prefilled ones and those loaded from a lower tier; default `tokens`)."""
+    def __init__(self, load: WorkerLoad, tokens: int) -> None:
         self._load = load
         self.tokens = tokens
         self._done_prefill = False
@@ -135,7 +108,6 @@ class LoadTicket:
         load.prefilling += 1
         load.queued_prefill_tokens += tokens
         load.started_total += 1
-        load.filled_tokens_total += tokens if filled_tokens is None else filled_tokens
 
     def prefill_done(self) -> None:
         """The first byte came back (or the prefill is assumed done)."""

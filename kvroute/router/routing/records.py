@@ -52,12 +52,6 @@ class Candidate:
         return self.reuse + self.cpu_tokens + self.storage_tokens
 
     @property
-    def filled_tokens(self) -> int:
-        """Prompt tokens that take new GPU blocks here: the prefilled ones and those loaded
-        from lower tiers."""
-        return self.uncached + self.cpu_tokens + self.storage_tokens
-
-    @property
     def terms(self) -> dict[str, float]:
         """Every priced term's value in seconds, by name (built when asked for)."""
         return dict(zip(self.term_names, self.term_values, strict=True))

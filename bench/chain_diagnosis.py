@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -180,16 +180,22 @@ def summarize(rows: Sequence[Continuation]) -> str:
 
 
 def compare_by_chain(
-    trace: Path, first: Sequence[dict[str, Any]], second: Sequence[dict[str, Any]]
+    trace: Path,
+    first: Sequence[dict[str, Any]],
+    second: Sequence[dict[str, Any]],
+    ids: Collection[str] | None = None,
 ) -> dict[str, Difference | None]:
     """TTFT p50 and p99 of the first router's replay minus the second's, with paired
     cluster-bootstrap intervals whose clusters are the trace's chains (a conversation's
-    requests are correlated, so whole chains are resampled, the same ones for both)."""
+    requests are correlated, so whole chains are resampled, the same ones for both).
+    With `ids`, only those requests count (on both sides)."""
     chain = link_chains([r.hash_ids for r in read_mooncake(trace)]).chain
 
     def by_chain(records: Sequence[dict[str, Any]]) -> dict[int, list[float]]:
         out: dict[int, list[float]] = defaultdict(list)
         for r in records:
+            if ids is not None and r["id"] not in ids:
+                continue
             if r.get("status") == 200 and r.get("ttft") is not None:
                 out[chain[int(r["id"].removeprefix("mc-"))]].append(float(r["ttft"]))
         return out

@@ -165,3 +165,18 @@ def test_ttft_compared_by_chain(tmp_path: Path) -> None:
     assert p50.high < 0 and p50.verdict == "lower"
     same = compare_by_chain(trace, fast, fast)["ttft_p99"]
     assert same is not None and same.diff == 0.0 and same.verdict == "not distinguishable"
+
+
+def test_ttft_compared_on_a_subset_counts_only_those_requests(tmp_path: Path) -> None:
+    from bench.chain_diagnosis import compare_by_chain
+
+    trace, records, _ = _run(tmp_path)
+    ids = [r["id"] for r in records]
+    # the two replays differ only on the last request
+    first = [dict(r, ttft=0.5) for r in records]
+    second = [dict(r, ttft=0.5 if r["id"] != ids[-1] else 2.0) for r in records]
+    only_last = compare_by_chain(trace, first, second, ids={ids[-1]})["ttft_p50"]
+    assert only_last is not None and only_last.diff == pytest.approx(-1.5)
+    rest = compare_by_chain(trace, first, second, ids=set(ids[:-1]))["ttft_p50"]
+    assert rest is not None and rest.diff == 0.0
+    assert compare_by_chain(trace, first, second, ids=set())["ttft_p50"] is None

@@ -44,6 +44,7 @@ class Turn:
     cached: int
     later: bool  # a turn after its conversation's first
     lost: bool  # a later turn that lost its history
+    moved: bool = False  # a later turn sent to another worker than its previous turn
 
 
 Cluster = list[Turn]  # one conversation of one seed
@@ -54,7 +55,7 @@ def conversations(records: Sequence[dict[str, Any]]) -> dict[str, Cluster]:
     """The answered turns of each conversation, in turn order (``turn`` when recorded, else
     send time). A turn counts as later when an earlier turn of its conversation was answered;
     it lost its history when it found fewer cached tokens than that previous prompt's tokens
-    minus one block."""
+    minus one block, and moved when it went to another worker than that previous turn."""
     by_session: dict[str, list[dict[str, Any]]] = {}
     for r in records:
         if r.get("status") == 200 and r.get("error") is None and r.get("ttft") is not None:
@@ -64,12 +65,14 @@ def conversations(records: Sequence[dict[str, Any]]) -> dict[str, Cluster]:
         rs.sort(key=lambda r: (r.get("turn") if r.get("turn") is not None else -1, r["sent"]))
         turns: Cluster = []
         prev_prompt: int | None = None
+        prev_worker: object = None
         for r in rs:
             prompt, cached = int(r.get("prompt_tokens") or 0), int(r.get("cached_tokens") or 0)
             later = prev_prompt is not None
             lost = later and cached < (prev_prompt or 0) - BLOCK_TOKENS
-            turns.append(Turn(float(r["ttft"]), prompt, cached, later, lost))
-            prev_prompt = prompt
+            moved = later and r.get("worker") != prev_worker
+            turns.append(Turn(float(r["ttft"]), prompt, cached, later, lost, moved))
+            prev_prompt, prev_worker = prompt, r.get("worker")
         out[session] = turns
     return out
 

@@ -54,6 +54,19 @@ def test_later_turns_and_lost_history() -> None:
     assert later_hit_rate(convs["b"][:1]) is None and lost_share([]) is None
 
 
+def test_a_later_turn_moved_when_its_worker_differs_from_the_previous_answered_turn() -> None:
+    recs = [
+        {**rec("a", 0, 1000, 0), "worker": "w0"},
+        {**rec("a", 1, 1500, 992), "worker": "w0"},
+        {**rec("a", 2, 2000, 0), "worker": "w1"},
+        {**rec("a", 3, 2500, 0), "status": 500, "error": "http 500", "worker": "w0"},
+        {**rec("a", 4, 3000, 1984), "worker": "w1"},  # follows turn 2, on the same worker
+    ]
+    turns = conversations(recs)["a"]
+    assert [t.moved for t in turns] == [False, False, True, False]
+    assert [t.lost for t in turns] == [False, False, True, False]
+
+
 def test_paired_interval_says_lower_only_when_the_interval_excludes_zero() -> None:
     convs_fast = conversations([rec(f"s{i}", 0, 10, 0, 0.1 + i / 1000) for i in range(40)])
     convs_slow = conversations([rec(f"s{i}", 0, 10, 0, 1.0 + i / 1000) for i in range(40)])

@@ -63,8 +63,9 @@ class ModelSpec:
     alignment: int | None = _f(None, "override the hit alignment (tokens) for this model")
     send_token_ids: bool = _f(
         False,
-        "send plain chat requests as /v1/completions of the router's token ids, so the engine "
-        "does not tokenize them again; needs a tokenizer giving the engine's exact ids",
+        "send plain chat requests and text completions as /v1/completions of the router's "
+        "token ids, so the engine does not tokenize them again; needs a tokenizer giving the "
+        "engine's exact ids",
     )
     embeddings_use_cache: bool = _f(
         False,

@@ -14,6 +14,7 @@ from typing import Any
 from vllm_recording import vllm_python
 
 from kvroute.router.edge.chat_as_completion import ChatStream, chat_response, completion_body
+from kvroute.router.edge.completion_as_ids import completion_ids_body
 
 _SCRIPT = r"""
 import json, sys
@@ -39,6 +40,21 @@ if job["mode"] == "requests":
                       "prompt": comp.prompt, "salt": comp.cache_salt,
                       "stream": comp.stream, "usage": bool(comp.stream_options and
                                                            comp.stream_options.include_usage)})
+    out["diffs"] = diffs
+elif job["mode"] == "completions":
+    from types import SimpleNamespace
+    model = SimpleNamespace(max_model_len=4096)
+    diffs = []
+    for text_body, ids_body in job["pairs"]:
+        text = CompletionRequest.model_validate(text_body)
+        ids = CompletionRequest.model_validate(ids_body)
+        a = text.to_sampling_params(text.max_tokens, {})
+        b = ids.to_sampling_params(ids.max_tokens, {})
+        fields = [f for f in a.__struct_fields__ if getattr(a, f) != getattr(b, f)]
+        ta, tb = text.build_tok_params(model), ids.build_tok_params(model)
+        tok = [f for f in vars(ta) if getattr(ta, f) != getattr(tb, f)]
+        diffs.append({"fields": fields, "tok": tok, "extra": sorted((ids.model_extra or {}).keys()),
+                      "prompt": ids.prompt})
     out["diffs"] = diffs
 elif job["mode"] == "responses":
     usage = UsageInfo(prompt_tokens=3, completion_tokens=2, total_tokens=5)
@@ -138,3 +154,42 @@ def test_vllms_completion_answers_become_valid_chat_answers() -> None:
     assert chunks[-2]["choices"][0]["finish_reason"] == "stop"
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["prompt_tokens"] == 3
     assert json.loads(whole)["choices"][0]["message"]["content"] == " a b"
+
+
+TEXT_BODIES = [
+    {"model": "m", "prompt": "Once upon a time", "max_tokens": 9},
+    {
+        "model": "m",
+        "prompt": "Once upon a time",
+        "max_tokens": 33,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "seed": 7,
+        "stop": ["END"],
+        "logprobs": 2,
+        "n": 3,
+        "echo": False,
+        "add_special_tokens": False,
+        "cache_salt": "tenant-a",
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    },
+]
+
+
+def test_a_text_completion_sent_as_ids_asks_the_engine_for_the_same() -> None:
+    """Same sampling parameters; the tokenizing parameters differ at most in
+    `add_special_tokens`, which vLLM applies only when it encodes a text prompt
+    (`renderers/base.py`, `_tokenize_singleton_prompt`: a prompt with ids is not encoded)."""
+    ids = [1, 7, 8, 9]
+    pairs = []
+    for body in TEXT_BODIES:
+        converted = completion_ids_body(body, ids)
+        assert converted is not None
+        pairs.append([body, json.loads(converted)])
+    diffs = _vllm({"mode": "completions", "pairs": pairs})["diffs"]
+    for body, d in zip(TEXT_BODIES, diffs, strict=True):
+        assert d["fields"] == [], (body, d)
+        assert set(d["tok"]) <= {"add_special_tokens"}, (body, d)
+        assert d["extra"] == [] and d["prompt"] == ids
+    assert diffs[1]["tok"] == ["add_special_tokens"]  # False in the text body, default True

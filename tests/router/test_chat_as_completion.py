@@ -143,7 +143,7 @@ def test_a_completion_stream_in_chat_shape() -> None:
     assert chat_response(b'{"error": {"message": "no"}}') == b'{"error": {"message": "no"}}'
 
 
-def _send_ids(rig_router: dict[str, Any] | None = None) -> dict[str, Any]:
+def send_ids(rig_router: dict[str, Any] | None = None) -> dict[str, Any]:
     model = {"tokenizer": str(MODEL_DIR), "send_token_ids": True}
     return {"models": {MODEL: model}, **(rig_router or {})}
 
@@ -156,13 +156,14 @@ async def _direct(r: SimRig, worker: str, body: dict[str, Any]) -> dict[str, Any
     return out
 
 
-def _sent_as_ids(r: SimRig) -> dict[str, float]:
+def sent_as_ids(r: SimRig, endpoint: str = "/v1/chat/completions") -> dict[str, float]:
+    """`kvroute_sent_as_token_ids_total` of one endpoint, by result."""
     metric = r.parts.metrics.sent_as_ids
     return {
         s.labels["result"]: s.value
         for m in metric.collect()
         for s in m.samples
-        if s.name.endswith("_total")
+        if s.name.endswith("_total") and s.labels["endpoint"] == endpoint
     }
 
 
@@ -173,7 +174,7 @@ def test_end_to_end_the_client_gets_the_chat_answer_the_engine_would_give() -> N
     ]
 
     async def go() -> None:
-        async with sim_fleet(2, router=_send_ids()) as r:
+        async with sim_fleet(2, router=send_ids()) as r:
             body = {"model": MODEL, "messages": messages, "max_tokens": 12}
             routed = await r.chat(messages, max_tokens=12)
             direct = await _direct(r, routed["_worker"], body)
@@ -203,7 +204,7 @@ def test_end_to_end_the_client_gets_the_chat_answer_the_engine_would_give() -> N
             # not plain (tools): the chat endpoint, as before
             tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
             await r.chat(messages, max_tokens=4, tools=tools)
-            assert _sent_as_ids(r) == {"yes": 2.0, "not_plain": 1.0}
+            assert sent_as_ids(r) == {"yes": 2.0, "not_plain": 1.0}
             # the decision log (and the dashboard) says where each one went
             resp = await r.client.get("/admin/decisions?limit=10", headers=r.admin())
             sent = [(d["endpoint"], d["upstream_endpoint"]) for d in resp.json()["decisions"]]
@@ -217,7 +218,7 @@ def test_end_to_end_off_by_default() -> None:
     async def go() -> None:
         async with sim_fleet(1) as r:
             await r.chat([{"role": "user", "content": "hi"}], max_tokens=3)
-            assert _sent_as_ids(r) == {}
+            assert sent_as_ids(r) == {}
 
     asyncio.run(go())
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable, MutableMapping, Sequence
 from dataclasses import replace
 from functools import partial
 from typing import Any
@@ -33,6 +33,7 @@ from kvroute.router.edge.attempt import (
 from kvroute.router.edge.body import BodyBudget, BodyReader, ClientGone
 from kvroute.router.edge.chat_answer import AnswerTap, answer_of_response
 from kvroute.router.edge.chat_as_completion import ChatStream, chat_response, completion_body
+from kvroute.router.edge.completion_as_ids import completion_ids_body
 from kvroute.router.edge.errors import (
     INVALID_FIELD,
     MID_STREAM,
@@ -86,6 +87,13 @@ _JSON = [(b"content-type", b"application/json")]
 # Sending a request that reached the engine again could run it twice: only embeddings, which
 # generate nothing, are retried after a failure once the request was sent.
 _RETRY_AFTER_SEND = frozenset({EMBEDDINGS})
+
+# With `send_token_ids`, endpoint -> (the body as a completion of the prompt's ids or None,
+# whether the completion answer goes back to the client in chat shape).
+_AS_IDS: dict[str, tuple[Callable[[dict[str, Any], Sequence[int]], bytes | None], bool]] = {
+    CHAT: (completion_body, True),
+    COMPLETIONS: (completion_ids_body, False),
+}
 
 
 class _StallWatch:
@@ -304,7 +312,7 @@ class Proxy:
             )
         # A stream's new turn is encoded after dispatch (`_complete`), off the critical path,
         # unless the engine is to be sent the whole ids.
-        send_ids = req.endpoint == CHAT and routing.sends_token_ids(route)
+        send_ids = req.endpoint in _AS_IDS and routing.sends_token_ids(route)
         split = splittable(req.endpoint, req.body)
         if not split and not routing.eligible(route, split=False):
             raise RouterError(
@@ -326,7 +334,7 @@ class Proxy:
             decision,
         )
         inject_usage = req.stream and not req.wants_usage and path in (CHAT, COMPLETIONS)
-        out = self._as_completion(req, prompt, inject_usage) if send_ids else None
+        out = self._as_ids(req, prompt, inject_usage) if send_ids else None
         if out is None:
             body = with_stream_usage(req.body, req.raw) if inject_usage else req.raw
             out = Outgoing(req.endpoint, body, inject_usage)
@@ -342,24 +350,24 @@ class Proxy:
         finally:
             record.duration_s = time.perf_counter() - started
 
-    def _as_completion(
-        self, req: ClientRequest, prompt: Prompt, inject_usage: bool
-    ) -> Outgoing | None:
-        """The chat request as a completion of its exact token ids, when it can be sent so."""
+    def _as_ids(self, req: ClientRequest, prompt: Prompt, inject_usage: bool) -> Outgoing | None:
+        """The request as a completion of its exact token ids, when it can be sent so."""
+        convert, as_chat = _AS_IDS[req.endpoint]
+        sent = self._metrics.sent_as_ids
         ids = prompt.token_ids
         if ids is None or prompt.partial is not None or prompt.source not in ("local", "render"):
-            self._metrics.child(self._metrics.sent_as_ids, "no_exact_ids").inc()
+            self._metrics.child(sent, req.endpoint, "no_exact_ids").inc()
             return None
         body = req.body
         if inject_usage:
             body = {**body, "stream_options": {"include_usage": True,
                                                "continuous_usage_stats": False}}  # fmt: skip
-        converted = completion_body(body, ids)
+        converted = convert(body, ids)
         if converted is None:
-            self._metrics.child(self._metrics.sent_as_ids, "not_plain").inc()
+            self._metrics.child(sent, req.endpoint, "not_plain").inc()
             return None
-        self._metrics.child(self._metrics.sent_as_ids, "yes").inc()
-        return Outgoing(COMPLETIONS, converted, inject_usage, as_chat=True)
+        self._metrics.child(sent, req.endpoint, "yes").inc()
+        return Outgoing(COMPLETIONS, converted, inject_usage, as_chat=as_chat)
 
     async def _forward(
         self,

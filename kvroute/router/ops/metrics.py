@@ -79,11 +79,12 @@ class RouterMetrics:
             registry=r,
         )
         self.sent_as_ids = Counter(
-            "kvroute_chat_sent_as_token_ids",
-            "Chat requests for a model with send_token_ids, by whether they went to the engine "
-            "as completions of token ids (yes) or kept the chat endpoint (not_plain: fields "
-            "only a chat request has; no_exact_ids: no exact token ids)",
-            ["result"],
+            "kvroute_sent_as_token_ids",
+            "Chat and completions requests for a model with send_token_ids, by endpoint and by "
+            "whether they went to the engine as completions of token ids (yes) or as the client "
+            "sent them (not_plain: fields only a chat or a text prompt has; no_exact_ids: no "
+            "exact token ids)",
+            ["endpoint", "result"],
             registry=r,
         )
         self.token_source = Counter(

@@ -251,7 +251,8 @@ class Routing:
         self.link_rate.observe(pulled_tokens, self._pd.kv_bytes_per_token, seconds)
 
     def sends_token_ids(self, route: ModelRoute) -> bool:
-        """Whether the model's chat requests go to the engine as completions of token ids."""
+        """Whether the model's chat and completions requests go to the engine as completions of
+        token ids."""
         spec = self._models.get(route.base)
         return spec is not None and spec.send_token_ids
 

@@ -1,0 +1,50 @@
+"""Sending a text completion to the engine as a completion of the router's token ids.
+
+The router encodes a `/v1/completions` text prompt anyway (its cache keys are hashes of the
+exact ids). A vLLM API server given the text encodes it again before the engine can start:
+for a prompt of 16,000 tokens that is tens of milliseconds of the time to first token, on
+the process that serves every other request too. Given the same request with `prompt` = the
+ids, it skips that. The endpoint and every other field stay the same, so the answer needs no
+conversion.
+
+A request keeps its text when a field means something only for text (`_NEEDS_TEXT`): `echo`
+returns the prompt's text (vLLM would decode it from the ids, special tokens included),
+`suffix` asks for fill-in-the-middle rendering, truncation and token offsets are computed on
+the text, and `prompt_embeds` has no ids. A batch of prompts (a list) keeps its text too.
+`add_special_tokens` was applied when the router encoded the text, so it is not sent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+
+# Fields whose effect in vLLM depends on the prompt being text (`renderers/params.py`:
+# text-side truncation, offsets; `completion/serving.py`: echo, suffix).
+_NEEDS_TEXT = (
+    "echo",
+    "suffix",
+    "prompt_embeds",
+    "truncate_prompt_tokens",
+    "truncation_side",
+    "return_token_offsets",
+)
+# Consumed by the router's encoding; vLLM reads it for text prompts only.
+_CONSUMED = frozenset({"add_special_tokens"})
+_encoder = msgspec.json.Encoder()
+
+
+def completion_ids_body(body: dict[str, Any], ids: Sequence[int]) -> bytes | None:
+    """The /v1/completions body that asks the engine for the same answer as `body`, whose one
+    text prompt encodes to `ids`, with the ids as its prompt; None when the request keeps
+    its text (see the module doc)."""
+    if not ids or not isinstance(body.get("prompt"), str):
+        return None
+    for field in _NEEDS_TEXT:
+        if body.get(field) not in (None, False):
+            return None
+    out = {k: v for k, v in body.items() if k not in _CONSUMED}
+    out["prompt"] = ids if isinstance(ids, list) else list(ids)
+    return _encoder.encode(out)

@@ -103,7 +103,7 @@ ROUTERS: dict[str, RouterSpec] = {
         ),
         RouterSpec(
             "kvroute-chat-upstream",
-            "kvroute (default, chat requests sent as chat: the engines tokenize them again)",
+            "kvroute (default, prompts sent as the client wrote them: engines tokenize them again)",
             "kvroute",
             "ttft",
             (("KVROUTE_MODELS__KVROUTE-SIM__SEND_TOKEN_IDS", "false"),),

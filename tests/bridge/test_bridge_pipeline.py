@@ -162,8 +162,9 @@ def test_gap_recovered_by_replay(version: str) -> None:
         await rec.wait_for(lambda: len(rec.batches()) == 4)
         assert [b.sequence for b in rec.batches()] == [0, 1, 2, 3]
         assert len(rec.snapshots()) == 1  # only the initial one: no reset
-        # (a join from 0 may come first: the bridge asks a quiet engine for its buffer)
-        assert engine.replay_requests[-1] == 1 and set(engine.replay_requests[:-1]) <= {0}
+        # the gap asked for a replay from 1; any other request is a join from 0 (the bridge
+        # asks a quiet engine for its buffer), which may come before or after it
+        assert 1 in engine.replay_requests and set(engine.replay_requests) <= {0, 1}
         assert metric(bridge, "kvroute_bridge_gaps_total") == 1
         assert metric(bridge, "kvroute_bridge_replays_total", outcome="recovered") >= 1
         assert len(rec.view.counts) == 4

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from collections.abc import Callable
 from typing import Any
 
 from vllm_recording import vllm_python
@@ -92,6 +93,22 @@ def _vllm(job: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _converted_by_vllm(
+    mode: str,
+    convert: Callable[[dict[str, Any], list[int]], bytes | None],
+    bodies: list[dict[str, Any]],
+    ids: list[int],
+) -> list[dict[str, Any]]:
+    """vLLM's comparison (`mode` of the script) of each body with its conversion."""
+    pairs = []
+    for body in bodies:
+        converted = convert(body, ids)
+        assert converted is not None
+        pairs.append([body, json.loads(converted)])
+    diffs: list[dict[str, Any]] = _vllm({"mode": mode, "pairs": pairs})["diffs"]
+    return diffs
+
+
 CHAT = [{"role": "user", "content": "hi"}]
 PLAIN_BODIES = [
     {"model": "m", "messages": CHAT, "max_tokens": 9},
@@ -126,12 +143,7 @@ PLAIN_BODIES = [
 
 def test_the_completion_asks_the_engine_for_what_the_chat_request_did() -> None:
     ids = [101, 7, 8, 9]
-    pairs = []
-    for body in PLAIN_BODIES:
-        converted = completion_body(body, ids)
-        assert converted is not None
-        pairs.append([body, json.loads(converted)])
-    diffs = _vllm({"mode": "requests", "pairs": pairs})["diffs"]
+    diffs = _converted_by_vllm("requests", completion_body, PLAIN_BODIES, ids)
     for body, d in zip(PLAIN_BODIES, diffs, strict=True):
         assert d["fields"] == [], (body, d)  # every sampling parameter equal
         assert d["extra"] == []  # no field vLLM's completions endpoint does not know
@@ -182,12 +194,7 @@ def test_a_text_completion_sent_as_ids_asks_the_engine_for_the_same() -> None:
     `add_special_tokens`, which vLLM applies only when it encodes a text prompt
     (`renderers/base.py`, `_tokenize_singleton_prompt`: a prompt with ids is not encoded)."""
     ids = [1, 7, 8, 9]
-    pairs = []
-    for body in TEXT_BODIES:
-        converted = completion_ids_body(body, ids)
-        assert converted is not None
-        pairs.append([body, json.loads(converted)])
-    diffs = _vllm({"mode": "completions", "pairs": pairs})["diffs"]
+    diffs = _converted_by_vllm("completions", completion_ids_body, TEXT_BODIES, ids)
     for body, d in zip(TEXT_BODIES, diffs, strict=True):
         assert d["fields"] == [], (body, d)
         assert set(d["tok"]) <= {"add_special_tokens"}, (body, d)

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvroute.router.edge.completion_as_ids import completion_ids_body
+from kvroute.router.edge.completion_as_ids import NEEDS_TEXT, completion_ids_body
 from tests.router.sim_fleet import MODEL, sim_fleet
 from tests.router.test_chat_as_completion import send_ids, sent_as_ids
 
@@ -56,7 +56,8 @@ def test_a_text_completion_keeps_every_field_but_its_prompt() -> None:
         {"return_token_offsets": True},
         {"prompt": ["one", "two"]},  # a batch
         {"prompt": [1, 2, 3]},  # already ids: sent as the client wrote them
-        {"prompt": None, "prompt_embeds": "AAAA"},
+        {"prompt_embeds": "AAAA"},
+        {"truncate_prompt_tokens": 0},
     ],
 )
 def test_requests_whose_fields_need_the_text_keep_it(change: dict[str, Any]) -> None:
@@ -78,7 +79,9 @@ _VALUES = st.one_of(
 
 @given(
     extra=st.dictionaries(
-        st.text(min_size=1, max_size=12).filter(lambda k: k not in ("prompt",)),
+        # the fields the rules name, and any other
+        st.sampled_from([*NEEDS_TEXT, "add_special_tokens"])
+        | st.text(min_size=1, max_size=12).filter(lambda k: k != "prompt"),
         _VALUES,
         max_size=6,
     ),
@@ -89,9 +92,7 @@ def test_conversion_changes_the_prompt_and_nothing_else(
 ) -> None:
     body = {**extra, "prompt": "text"}
     got = completion_ids_body(body, ids)
-    needs_text = ("echo", "suffix", "prompt_embeds", "truncate_prompt_tokens", "truncation_side",
-                  "return_token_offsets")  # fmt: skip
-    if any(body.get(k) not in (None, False) for k in needs_text):
+    if any(body.get(k) is not None and body.get(k) is not False for k in NEEDS_TEXT):
         assert got is None
         return
     assert got is not None

@@ -7,7 +7,7 @@ the process that serves every other request too. Given the same request with `pr
 ids, it skips that. The endpoint and every other field stay the same, so the answer needs no
 conversion.
 
-A request keeps its text when a field means something only for text (`_NEEDS_TEXT`): `echo`
+A request keeps its text when a field means something only for text (`NEEDS_TEXT`): `echo`
 returns the prompt's text (vLLM would decode it from the ids, special tokens included),
 `suffix` asks for fill-in-the-middle rendering, truncation and token offsets are computed on
 the text, and `prompt_embeds` has no ids. A batch of prompts (a list) keeps its text too.
@@ -23,7 +23,7 @@ import msgspec
 
 # Fields whose effect in vLLM depends on the prompt being text (`renderers/params.py`:
 # text-side truncation, offsets; `completion/serving.py`: echo, suffix).
-_NEEDS_TEXT = (
+NEEDS_TEXT = (
     "echo",
     "suffix",
     "prompt_embeds",
@@ -42,8 +42,9 @@ def completion_ids_body(body: dict[str, Any], ids: Sequence[int]) -> bytes | Non
     its text (see the module doc)."""
     if not ids or not isinstance(body.get("prompt"), str):
         return None
-    for field in _NEEDS_TEXT:
-        if body.get(field) not in (None, False):
+    for field in NEEDS_TEXT:
+        value = body.get(field)
+        if value is not None and value is not False:  # 0 too: `truncate_prompt_tokens: 0`
             return None
     out = {k: v for k, v in body.items() if k not in _CONSUMED}
     out["prompt"] = ids if isinstance(ids, list) else list(ids)

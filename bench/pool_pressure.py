@@ -65,7 +65,7 @@ def conversations(records: Sequence[dict[str, Any]]) -> dict[str, Cluster]:
         rs.sort(key=lambda r: (r.get("turn") if r.get("turn") is not None else -1, r["sent"]))
         turns: Cluster = []
         prev_prompt: int | None = None
-        prev_worker: object = None
+        prev_worker: str | None = None
         for r in rs:
             prompt, cached = int(r.get("prompt_tokens") or 0), int(r.get("cached_tokens") or 0)
             later = prev_prompt is not None

@@ -148,3 +148,20 @@ async def sim_fleet(
         parts: Components = app.state.kvroute
         await until(lambda: not parts.events.unusable(), timeout=20)
         yield SimRig(url, client, engines, bridges, parts)
+
+
+def send_ids(rig_router: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Router settings for `sim_fleet` with `send_token_ids` on for the simulated model."""
+    model = {"tokenizer": str(MODEL_DIR), "send_token_ids": True}
+    return {"models": {MODEL: model}, **(rig_router or {})}
+
+
+def sent_as_ids(r: SimRig, endpoint: str = "/v1/chat/completions") -> dict[str, float]:
+    """`kvroute_sent_as_token_ids_total` of one endpoint, by result."""
+    metric = r.parts.metrics.sent_as_ids
+    return {
+        s.labels["result"]: s.value
+        for m in metric.collect()
+        for s in m.samples
+        if s.name.endswith("_total") and s.labels["endpoint"] == endpoint
+    }

@@ -14,8 +14,7 @@ import msgspec
 import pytest
 
 from kvroute.router.edge.chat_as_completion import ChatStream, chat_response, completion_body
-from kvroute.sim.model import MODEL_DIR
-from tests.router.sim_fleet import MODEL, SimRig, sim_fleet
+from tests.router.sim_fleet import MODEL, SimRig, send_ids, sent_as_ids, sim_fleet
 from tests.sim.test_sim_api import CHAT_MESSAGE
 
 PLAIN = {
@@ -143,28 +142,12 @@ def test_a_completion_stream_in_chat_shape() -> None:
     assert chat_response(b'{"error": {"message": "no"}}') == b'{"error": {"message": "no"}}'
 
 
-def send_ids(rig_router: dict[str, Any] | None = None) -> dict[str, Any]:
-    model = {"tokenizer": str(MODEL_DIR), "send_token_ids": True}
-    return {"models": {MODEL: model}, **(rig_router or {})}
-
-
 async def _direct(r: SimRig, worker: str, body: dict[str, Any]) -> dict[str, Any]:
     async with httpx.AsyncClient() as c:
         resp = await c.post(r.engines[worker].url + "/v1/chat/completions", json=body)
     assert resp.status_code == 200, resp.text
     out: dict[str, Any] = resp.json()
     return out
-
-
-def sent_as_ids(r: SimRig, endpoint: str = "/v1/chat/completions") -> dict[str, float]:
-    """`kvroute_sent_as_token_ids_total` of one endpoint, by result."""
-    metric = r.parts.metrics.sent_as_ids
-    return {
-        s.labels["result"]: s.value
-        for m in metric.collect()
-        for s in m.samples
-        if s.name.endswith("_total") and s.labels["endpoint"] == endpoint
-    }
 
 
 def test_end_to_end_the_client_gets_the_chat_answer_the_engine_would_give() -> None:

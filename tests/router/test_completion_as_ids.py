@@ -16,8 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvroute.router.edge.completion_as_ids import NEEDS_TEXT, completion_ids_body
-from tests.router.sim_fleet import MODEL, sim_fleet
-from tests.router.test_chat_as_completion import send_ids, sent_as_ids
+from tests.router.sim_fleet import MODEL, send_ids, sent_as_ids, sim_fleet
 
 COMPLETIONS = "/v1/completions"
 PLAIN = {

@@ -1,11 +1,11 @@
 """Sending a text completion to the engine as a completion of the router's token ids.
 
 The router encodes a `/v1/completions` text prompt anyway (its cache keys are hashes of the
-exact ids). A vLLM API server given the text encodes it again before the engine can start:
-for a prompt of 16,000 tokens that is tens of milliseconds of the time to first token, on
-the process that serves every other request too. Given the same request with `prompt` = the
-ids, it skips that. The endpoint and every other field stay the same, so the answer needs no
-conversion.
+exact ids). A vLLM API server given the text encodes it again before the engine can start,
+on the process that serves every other request too (the router's own cold encode of a
+12,015-token prompt: 12.6 ms, `bench/results/tokenize.md`). Given the same request with
+`prompt` = the ids, it skips that. The endpoint and every other field stay the same, so the
+answer needs no conversion.
 
 A request keeps its text when a field means something only for text (`NEEDS_TEXT`): `echo`
 returns the prompt's text (vLLM would decode it from the ids, special tokens included),

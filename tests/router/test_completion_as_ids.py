@@ -136,7 +136,11 @@ def test_end_to_end_the_client_gets_the_answer_the_text_prompt_gets() -> None:
             # echo needs the text: sent as the client wrote it
             resp = await r.client.post(COMPLETIONS, json={**body, "echo": True})
             assert resp.status_code == 200, resp.text
-            assert sent_as_ids(r, COMPLETIONS) == {"yes": 2.0, "not_plain": 1.0}
+            # a prompt the client sent as ids goes as it came, counted apart from a failed encode
+            ids_body = {**body, "prompt": direct["usage"]["prompt_tokens"] * [11]}
+            resp = await r.client.post(COMPLETIONS, json=ids_body)
+            assert resp.status_code == 200, resp.text
+            assert sent_as_ids(r, COMPLETIONS) == {"yes": 2.0, "not_plain": 1.0, "given_ids": 1.0}
             assert sent_as_ids(r) == {}  # no chat request was made
 
     asyncio.run(go())

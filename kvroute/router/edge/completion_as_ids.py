@@ -32,7 +32,7 @@ NEEDS_TEXT = (
     "return_token_offsets",
 )
 # Consumed by the router's encoding; vLLM reads it for text prompts only.
-_CONSUMED = frozenset({"add_special_tokens"})
+CONSUMED = frozenset({"add_special_tokens"})
 _encoder = msgspec.json.Encoder()
 
 
@@ -46,6 +46,6 @@ def completion_ids_body(body: dict[str, Any], ids: Sequence[int]) -> bytes | Non
         value = body.get(field)
         if value is not None and value is not False:  # 0 too: `truncate_prompt_tokens: 0`
             return None
-    out = {k: v for k, v in body.items() if k not in _CONSUMED}
+    out = {k: v for k, v in body.items() if k not in CONSUMED}
     out["prompt"] = ids if isinstance(ids, list) else list(ids)
     return _encoder.encode(out)

@@ -355,6 +355,9 @@ class Proxy:
         convert, as_chat = _AS_IDS[req.endpoint]
         sent = self._metrics.sent_as_ids
         ids = prompt.token_ids
+        if prompt.source == "request":  # the client sent ids: nothing to convert
+            self._metrics.child(sent, req.endpoint, "given_ids").inc()
+            return None
         if ids is None or prompt.partial is not None or prompt.source not in ("local", "render"):
             self._metrics.child(sent, req.endpoint, "no_exact_ids").inc()
             return None

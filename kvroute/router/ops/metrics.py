@@ -83,7 +83,7 @@ class RouterMetrics:
             "Chat and completions requests for a model with send_token_ids, by endpoint and by "
             "whether they went to the engine as completions of token ids (yes) or as the client "
             "sent them (not_plain: fields only a chat or a text prompt has; no_exact_ids: no "
-            "exact token ids)",
+            "exact token ids; given_ids: the client sent ids)",
             ["endpoint", "result"],
             registry=r,
         )

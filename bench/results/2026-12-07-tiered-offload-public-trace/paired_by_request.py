@@ -3,8 +3,8 @@
 Reads ``<router>.records.jsonl`` of kvroute and of the other router and the other router's
 ``<router>.chains.json`` (written by ``bench.chain_diagnosis``), and for three groups of
 requests (the continuing ones the other router sent away from their parent's worker, every
-continuing one, the first turns) prints kvroute's median TTFT minus the other's with the
-chain-clustered paired bootstrap of ``bench.chain_diagnosis.compare_by_chain``, how many of
+continuing one, the first turns) prints kvroute's median (and p99) TTFT minus the other's with
+the chain-clustered paired bootstrap of ``bench.chain_diagnosis.compare_by_chain``, how many of
 the group's requests were faster under kvroute, and the median of each TTFT part.
 
     PYTHONPATH=. python bench/results/2026-12-07-tiered-offload-public-trace/paired_by_request.py \
@@ -46,11 +46,14 @@ def main() -> None:
         "first turns": both - continuing,
     }
     for name, ids in groups.items():
-        d = compare_by_chain(trace, list(ours.values()), list(theirs.values()), ids)["ttft_p50"]
+        diffs = compare_by_chain(trace, list(ours.values()), list(theirs.values()), ids)
         lower = sum(ours[i]["ttft"] < theirs[i]["ttft"] for i in ids)
+        d, tail = diffs["ttft_p50"], diffs["ttft_p99"]
         shown = "-" if d is None else f"{d.diff:+.3f} s [{d.low:+.3f}, {d.high:+.3f}]"
         print(f"{name}: n={len(ids)} median TTFT, kvroute minus {other}: {shown}", end="")
         print(f"; kvroute lower in {lower}")
+        if tail is not None:
+            print(f"  p99: {tail.diff:+.3f} s [{tail.low:+.3f}, {tail.high:+.3f}]")
         for part in PARTS:
             a = statistics.median(ours[i][part] or 0.0 for i in ids)
             b = statistics.median(theirs[i][part] or 0.0 for i in ids)

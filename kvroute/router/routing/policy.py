@@ -176,8 +176,9 @@ class TTFTPolicy(Policy):
             return self._cold(cands, req)
 
         def key(c: Candidate) -> tuple[float, int, int, str]:
-            # The name breaks exact ties, so replicas whose registries list the workers in
-            # different orders (discovery events arrive in any order) choose alike.
+            # The name only orders the tied candidates, so replicas whose registries list the
+            # workers in different orders (discovery events arrive in any order) see them
+            # alike; `_spread_ties` chooses among them.
             return (c.cost_s, -(c.reuse or 0), c.running, c.name)
 
         best = self._spread_ties(_tied(cands, key), req)

@@ -57,6 +57,7 @@ _worker = st.builds(
 def _full_pass(cands: list[Candidate]) -> list[Candidate]:
     """The candidates the ranking key ties for first place (ties are spread, not broken by
     name: `test_ties_take_turns`)."""
+
     def rank(c: Candidate) -> tuple[float, int, int]:
         return (c.cost_s, -(c.reuse or 0), c.running)
 

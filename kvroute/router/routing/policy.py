@@ -149,9 +149,9 @@ class SessionPicker:
 
 
 class TTFTPolicy(Policy):
-    """Default: least cost (estimated TTFT plus the junction credit); spill off a saturated
-    best; with no cache evidence anywhere, the session's hash among the near-fastest, else
-    least load."""
+    """Default: least cost (estimated TTFT plus the junction credit), exact ties by the
+    session's hash or in turn; spill off a saturated best; with no cache evidence anywhere,
+    the session's hash among the near-fastest, else least load."""
 
     name = "ttft"
     needs_reuse = True

@@ -130,6 +130,26 @@ def test_cold_requests_use_session_then_least_load() -> None:
     assert p.decide(ws, RouteInput(100, {}, None), 0.0).chosen.name == "w1"  # type: ignore[union-attr]
 
 
+def test_ties_take_turns() -> None:
+    """A prompt whose only reuse is a prefix every worker holds ties everywhere: keyless
+    requests take turns, keyed ones follow their session's hash (and stay there)."""
+    cfg, lm = policy()
+    p = make_policy(cfg, lm)
+    ws = fleet(4)
+    shared = {w.name: 512 for w in ws}
+    names = [p.decide(ws, RouteInput(4000, shared, None), 0.0).chosen.name for _ in range(8)]  # type: ignore[union-attr]
+    assert collections.Counter(names) == {"w0": 2, "w1": 2, "w2": 2, "w3": 2}
+    keyed = collections.Counter(
+        p.decide(ws, RouteInput(4000, shared, f"user-{i}"), 0.0).chosen.name  # type: ignore[union-attr]
+        for i in range(400)
+    )
+    assert len(keyed) == 4 and min(keyed.values()) > 40
+    again = {p.decide(ws, RouteInput(4000, shared, "alice"), 0.0).chosen.name for _ in range(5)}  # type: ignore[union-attr]
+    assert len(again) == 1
+    d = p.decide(ws, RouteInput(4000, {**shared, "w3": 1024}, None), 0.0)
+    assert d.chosen is not None and d.chosen.name == "w3" and d.reason == CACHE  # no tie
+
+
 def test_session_moves_off_an_overloaded_home() -> None:
     cfg, lm = policy()
     p = make_policy(cfg, lm)

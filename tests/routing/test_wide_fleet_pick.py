@@ -3,7 +3,7 @@
 `TTFTPolicy.pick` finds the least cost at C speed and builds the full ranking key only for
 the candidates tied on it, and skips the lower-tier scan when the request has no tiers. On
 random fleets with many exact ties (few distinct loads and reuses), the chosen worker must be
-the one `min(candidates, key=(cost, -reuse, running, name))` gives, spilled as before, and
+one of those `min(candidates, key=(cost, -reuse, running))` ties for, spilled as before, and
 every candidate's load must be the worker's own plus what its engine scrape adds.
 """
 
@@ -54,8 +54,15 @@ _worker = st.builds(
 )
 
 
-def _full_pass(cands: list[Candidate]) -> Candidate:
-    return min(cands, key=lambda c: (c.cost_s, -(c.reuse or 0), c.running, c.name))
+def _full_pass(cands: list[Candidate]) -> list[Candidate]:
+    """The candidates the ranking key ties for first place (ties are spread, not broken by
+    name: `test_ties_take_turns`)."""
+
+    def rank(c: Candidate) -> tuple[float, int, int]:
+        return (c.cost_s, -(c.reuse or 0), c.running)
+
+    top = min(map(rank, cands))
+    return [c for c in cands if rank(c) == top]
 
 
 @settings(max_examples=300, deadline=None)
@@ -96,7 +103,7 @@ def test_fast_pick_is_the_full_pass(
         return  # the cold path and the affinity step are not the fast pass's
     best = _full_pass(d.candidates)
     calm = [c for c in d.candidates if not c.saturated]
-    if best.saturated and spill and calm:
+    if best[0].saturated and spill and calm:
         assert d.reason == SPILL
         best = _full_pass(calm)
-    assert d.chosen is best
+    assert any(d.chosen is c for c in best)

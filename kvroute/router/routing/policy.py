@@ -149,9 +149,9 @@ class SessionPicker:
 
 
 class TTFTPolicy(Policy):
-    """Default: least cost (estimated TTFT plus the junction credit); spill off a saturated
-    best; with no cache evidence anywhere, the session's hash among the near-fastest, else
-    least load."""
+    """Default: least cost (estimated TTFT plus the junction credit), exact ties by the
+    session's hash or in turn; spill off a saturated best; with no cache evidence anywhere,
+    the session's hash among the near-fastest, else least load."""
 
     name = "ttft"
     needs_reuse = True
@@ -176,15 +176,16 @@ class TTFTPolicy(Policy):
             return self._cold(cands, req)
 
         def key(c: Candidate) -> tuple[float, int, int, str]:
-            # The name breaks exact ties, so replicas whose registries list the workers in
-            # different orders (discovery events arrive in any order) choose alike.
+            # The name only orders the tied candidates, so replicas whose registries list the
+            # workers in different orders (discovery events arrive in any order) see them
+            # alike; `_spread_ties` chooses among them.
             return (c.cost_s, -(c.reuse or 0), c.running, c.name)
 
-        best = _least(cands, key)
+        best = self._spread_ties(_tied(cands, key), req)
         if best.saturated and self.cfg.spill:
             calm = [c for c in cands if not c.saturated]
             if calm:
-                alt = _least(calm, key)
+                alt = self._spread_ties(_tied(calm, key), req)
                 return (
                     alt,
                     SPILL,
@@ -208,6 +209,18 @@ class TTFTPolicy(Policy):
             f"{req.n_tokens} tokens{_tier_note(best)} (fleet best reuse {best_reuse})",
         )
 
+    def _spread_ties(self, tied: list[Candidate], req: RouteInput) -> Candidate:
+        """One of candidates equal in cost, reuse and running: by the session's hash, else in
+        turn, as a cold request goes; a fixed order would send every such tie (a prompt whose
+        only cached part is a prefix every worker holds) to the same worker."""
+        if len(tied) == 1:
+            return tied[0]
+        if req.session_key is not None:
+            chosen = self.session.pick(tied, req.session_key)
+            if chosen is not None:
+                return chosen
+        return least_load(tied, self.rotation)
+
     def _cold(self, cands: list[Candidate], req: RouteInput) -> tuple[Candidate, str, str]:
         calm = [c for c in cands if not c.saturated] or cands
         slack = self.cfg.session_slack_tokens * self.load_model.seconds_per_token()
@@ -226,13 +239,16 @@ class TTFTPolicy(Policy):
         return chosen, LEAST_LOAD, "no cache evidence and no session key; least load"
 
 
-def _least(
+def _tied(
     cands: list[Candidate], key: Callable[[Candidate], tuple[float, int, int, str]]
-) -> Candidate:
-    """`min(cands, key=key)` for a key that starts with `cost_s`: the least cost is found at
-    C speed and only the candidates tied on it build the full key (costs are never NaN)."""
+) -> list[Candidate]:
+    """The candidates that share the least `key` but its last part (the name), in name
+    order: the least cost is found at C speed and only the candidates tied on it build the
+    full key (costs are never NaN)."""
     least = min(map(_COST, cands))
-    return min((c for c in cands if c.cost_s == least), key=key)
+    ranked = sorted((key(c), c) for c in cands if c.cost_s == least)
+    top = ranked[0][0][:-1]
+    return [c for k, c in ranked if k[:-1] == top]
 
 
 _COST = attrgetter("cost_s")

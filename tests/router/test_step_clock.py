@@ -130,6 +130,7 @@ def test_the_policy_picks_the_worker_whose_step_ends_first() -> None:
             assert by["w1"].step_wait_s == pytest.approx(0.012)
         else:
             assert by["w0"].step_wait_s == by["w1"].step_wait_s == 0.0
+            assert by["w0"].cost_s == by["w1"].cost_s  # a tie, taken in turn
     assert chosen[1.0] == "w1"  # without the wait the two tie, and ties take turns
 
 

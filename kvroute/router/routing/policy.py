@@ -175,11 +175,8 @@ class TTFTPolicy(Policy):
         if best_cached <= 0 and not any(c.affinity for c in cands):
             return self._cold(cands, req)
 
-        def key(c: Candidate) -> tuple[float, int, int, str]:
-            # The name only orders the tied candidates, so replicas whose registries list the
-            # workers in different orders (discovery events arrive in any order) see them
-            # alike; `_spread_ties` chooses among them.
-            return (c.cost_s, -(c.reuse or 0), c.running, c.name)
+        def key(c: Candidate) -> tuple[float, int, int]:
+            return (c.cost_s, -(c.reuse or 0), c.running)
 
         best = self._spread_ties(_tied(cands, key), req)
         if best.saturated and self.cfg.spill:
@@ -240,18 +237,20 @@ class TTFTPolicy(Policy):
 
 
 def _tied(
-    cands: list[Candidate], key: Callable[[Candidate], tuple[float, int, int, str]]
+    cands: list[Candidate], key: Callable[[Candidate], tuple[float, int, int]]
 ) -> list[Candidate]:
-    """The candidates that share the least `key` but its last part (the name), in name
-    order: the least cost is found at C speed and only the candidates tied on it build the
-    full key (costs are never NaN)."""
+    """The candidates that share the least `key`, in name order (so replicas whose
+    registries list the workers in different orders see them alike): the least cost is
+    found at C speed and only the candidates tied on it build the full key (costs are never
+    NaN)."""
     least = min(map(_COST, cands))
-    ranked = sorted((key(c), c) for c in cands if c.cost_s == least)
-    top = ranked[0][0][:-1]
-    return [c for k, c in ranked if k[:-1] == top]
+    on_cost = [c for c in cands if c.cost_s == least]
+    top = min(map(key, on_cost))
+    return sorted((c for c in on_cost if key(c) == top), key=_NAME)
 
 
 _COST = attrgetter("cost_s")
+_NAME = attrgetter("name")
 
 
 def _least_displacing(cands: list[Candidate], slack_s: float) -> list[Candidate]:

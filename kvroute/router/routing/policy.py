@@ -212,27 +212,33 @@ class TTFTPolicy(Policy):
         only cached part is a prefix every worker holds) to the same worker."""
         if len(tied) == 1:
             return tied[0]
-        if req.session_key is not None:
-            chosen = self.session.pick(tied, req.session_key)
+        return self._by_session_or_turn(tied, tied, req.session_key)[0]
+
+    def _by_session_or_turn(
+        self, keyed: list[Candidate], anyone: list[Candidate], session_key: str | None
+    ) -> tuple[Candidate, bool]:
+        """The session's hash among `keyed` (True), else `anyone` in turn (False)."""
+        if session_key is not None:
+            chosen = self.session.pick(keyed, session_key)
             if chosen is not None:
-                return chosen
-        return least_load(tied, self.rotation)
+                return chosen, True
+        return least_load(anyone, self.rotation), False
 
     def _cold(self, cands: list[Candidate], req: RouteInput) -> tuple[Candidate, str, str]:
         calm = [c for c in cands if not c.saturated] or cands
         slack = self.cfg.session_slack_tokens * self.load_model.seconds_per_token()
         if req.placement is not None:
             calm = _least_displacing(calm, slack)
+        near = calm
         if req.session_key is not None:
             # The hash keeps replicas agreeing and a fleet without events sticky, but only
             # among the workers about as fast as the fastest: nothing here is cached, so
             # waiting behind another prompt's prefill buys nothing.
             limit = min(c.est_ttft_s for c in calm) + slack
             near = [c for c in calm if c.est_ttft_s <= limit]
-            chosen = self.session.pick(near, req.session_key)
-            if chosen is not None:
-                return chosen, SESSION, "no cache evidence; session affinity (bounded load)"
-        chosen = least_load(calm, self.rotation)
+        chosen, keyed = self._by_session_or_turn(near, calm, req.session_key)
+        if keyed:
+            return chosen, SESSION, "no cache evidence; session affinity (bounded load)"
         return chosen, LEAST_LOAD, "no cache evidence and no session key; least load"
 
 
@@ -245,8 +251,11 @@ def _tied(
     NaN)."""
     least = min(map(_COST, cands))
     on_cost = [c for c in cands if c.cost_s == least]
-    top = min(map(key, on_cost))
-    return sorted((c for c in on_cost if key(c) == top), key=_NAME)
+    if len(on_cost) == 1:  # the usual case: no key to build, nothing to sort
+        return on_cost
+    keyed = [(key(c), c) for c in on_cost]
+    top = min(k for k, _ in keyed)
+    return sorted((c for k, c in keyed if k == top), key=_NAME)
 
 
 _COST = attrgetter("cost_s")

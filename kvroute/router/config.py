@@ -110,11 +110,6 @@ class PolicyConfig:
         "on a worker that reuses nothing of the request, count its queued prefill in full instead "
         "of at queue_weight",
     )
-    step_wait_weight: float = _f(
-        0.0,
-        "weight (>= 0) of the expected wait for a worker's step in flight, whose period is learned "
-        "from the stream chunks relayed; 0 = off",
-    )
     cpu_tier_tokens_per_s: float = _f(
         200_000.0,
         "offloaded KV: tokens/s (> 0) a worker loads from its CPU tier instead of prefilling them; "

@@ -347,7 +347,6 @@ def validate(c: RouterConfig) -> list[str]:
         need(getattr(p, key) > 0, f"policy.{key}: expected a number > 0")
     need(p.tokens_per_running >= 0, "policy.tokens_per_running: expected >= 0")
     need(p.tokens_per_running_home >= 0, "policy.tokens_per_running_home: expected >= 0")
-    need(p.step_wait_weight >= 0, "policy.step_wait_weight: expected >= 0")
     need(p.affinity_weight >= 0, "policy.affinity_weight: expected >= 0")
     need(p.sharing_max_keys >= 1, "policy.sharing_max_keys: expected >= 1")
     need(p.placement_weight >= 0, "policy.placement_weight: expected >= 0")

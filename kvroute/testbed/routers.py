@@ -67,13 +67,6 @@ ROUTERS: dict[str, RouterSpec] = {
             (("KVROUTE_POLICY__PLACEMENT_WEIGHT", "1"),),
         ),
         RouterSpec(
-            "kvroute-step-wait",
-            "kvroute (default + step wait)",
-            "kvroute",
-            "ttft",
-            (("KVROUTE_POLICY__STEP_WAIT_WEIGHT", "1"),),
-        ),
-        RouterSpec(
             "kvroute-no-apply-delay",
             "kvroute (default, events applied at once)",
             "kvroute",

@@ -88,7 +88,6 @@ def test_model_shorthand_and_policy_mapping() -> None:
         ({"polcy": "ttft"}, "polcy: unknown key"),
         ({"policy": {"prefill_tokens_per_s": -1}}, "policy.prefill_tokens_per_s"),
         ({"policy": {"spill": "yes"}}, "policy.spill: expected true or false"),
-        ({"policy": {"step_wait_weight": -1}}, "policy.step_wait_weight: expected >= 0"),
         (
             {"load": {"metrics_interval_s": 2, "metrics_max_interval_s": 1}},
             "load.metrics_max_interval_s: expected >= load.metrics_interval_s",

@@ -448,8 +448,7 @@ def test_streamed_turns_routed_on_their_history_are_predicted_exactly(profile: s
 
 def test_router_learns_each_engines_step_period_from_relayed_chunks() -> None:
     """Streams through the router tick each worker's step clock: the learned period matches
-    the simulated engine's modelled step time, and a request routed while they run is charged
-    the wait for the step in flight (visible in its decision record)."""
+    the simulated engine's modelled step time, shown in /admin/workers and /metrics."""
     from kvroute.sim.timing import DEFAULT_GPU
 
     speed = 0.5  # decode steps of ~14 ms, well above the 3 ms merge window
@@ -469,8 +468,7 @@ def test_router_learns_each_engines_step_period_from_relayed_chunks() -> None:
                 pass
 
     async def go() -> tuple[dict[str, Any], dict[str, Any], str]:
-        router = {"policy": {"step_wait_weight": 1.0}}  # off by default (docs/decisions/)
-        async with sim_fleet(1, engine={"speed": speed}, router=router) as r:
+        async with sim_fleet(1, engine={"speed": speed}) as r:
             running = [asyncio.create_task(one(r, i, 60)) for i in range(streams)]
             await asyncio.sleep(0.5)  # their decode steps are ticking the clock by now
             await one(r, 99, 1)
@@ -486,8 +484,4 @@ def test_router_learns_each_engines_step_period_from_relayed_chunks() -> None:
     modelled = DEFAULT_GPU.step_seconds(0, 0, streams, streams * 90) / speed
     assert period is not None and 0.7 * modelled < period < 1.6 * modelled, (period, modelled)
     assert f'kvroute_worker_step_period_seconds{{worker="w0"}} {period}' in metrics
-    records = decisions["decisions"]
-    assert len(records) == streams + 1
-    waits = {d["request_id"]: d["candidates"][0]["step_wait_s"] for d in records}
-    assert [waits[f"kvr-{i}"] for i in range(1, streams + 1)] == [0.0] * streams  # idle then
-    assert 0.0 < waits[f"kvr-{streams + 1}"] <= period
+    assert len(decisions["decisions"]) == streams + 1

@@ -2,8 +2,8 @@
 
 A fixture (`fixtures/decisions.json.gz`, written by `tests/routing/record_decisions.py`)
 holds runs: a policy configuration, a fleet of named workers, and a sequence of decision
-inputs (the time, the request's `RouteInput`, each worker's load, engine scrape and step
-clock, the mean prompt size, the eligible workers) with the decision the policy made on each.
+inputs (the time, the request's `RouteInput`, each worker's load and engine scrape, the
+mean prompt size, the eligible workers) with the decision the policy made on each.
 `replay` rebuilds every input on fresh `Worker` objects, feeds the sequence to one policy
 object (its session ring and rotation carry state from one decision to the next, as in the
 router) and returns each decision serialized canonically, so a run's bytes can be compared
@@ -20,7 +20,6 @@ from typing import Any
 
 from kvroute.router.config import BreakerConfig, PolicyConfig, WorkerSpec
 from kvroute.router.fleet.load import EngineMetrics, WorkerLoad
-from kvroute.router.fleet.step_clock import StepClock
 from kvroute.router.fleet.workers import Worker, WorkerRegistry
 from kvroute.router.routing.policy import Decision, LoadModel, RouteInput, make_policy
 
@@ -54,7 +53,6 @@ def decision_json(d: Decision) -> dict[str, Any]:
                 c.est_ttft_s,
                 c.saturated,
                 c.affinity,
-                c.step_wait_s,
             ]
             for c in d.candidates
         ],
@@ -63,17 +61,11 @@ def decision_json(d: Decision) -> dict[str, Any]:
 
 def load_state(row: Sequence[Any]) -> WorkerLoad:
     """A worker's load from a fixture row: [running, prefilling, queued prefill tokens,
-    engine scrape or null, step clock [period, last end] or null]."""
-    running, prefilling, queued, engine, steps = row
+    engine scrape or null]."""
+    running, prefilling, queued, engine = row
     load = WorkerLoad(running=running, prefilling=prefilling, queued_prefill_tokens=queued)
     if engine is not None:
         load.engine = EngineMetrics(*engine)
-    if steps is not None:
-        period, last = steps
-        clock = StepClock()
-        for k in (3, 2, 1, 0):  # four step ends a period apart, the last at `last`
-            clock.observe(last - k * period)
-        load.steps = clock
     return load
 
 

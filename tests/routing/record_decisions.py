@@ -9,8 +9,8 @@ configuration) run. The fleet state is deterministic: a real `FleetIndexView` wh
 declare the profile's KV groups (dense, sliding window, Mamba) and are credited with every
 prompt routed to them (the router's own expectations, with the junction coverage); each
 worker's own in-flight load (prefill done and request finished at times set by a fixed true
-prefill rate and step period); engine scrapes every second on three of the four workers that
-add another replica's traffic from a seeded generator; and a step clock per busy worker.
+prefill rate and step period); and engine scrapes every second on three of the four workers
+that add another replica's traffic from a seeded generator.
 Every decision's inputs and the decision (chosen worker, reason, detail, each candidate's
 predicted reuse, load and estimated TTFT) go to `tests/routing/fixtures/decisions.json.gz`.
 The decision is made by replaying the recorded input (`decision_replay.Replayer`), so what is
@@ -58,9 +58,8 @@ SPEC = WorkloadSpec(
 )
 
 # Configurations replayed: the defaults, and one that turns on what the defaults leave off
-# or rarely reach (step wait, tight saturation and spill, the other queue and junction rules)
+# or rarely reach (tight saturation and spill, the other queue and junction rules)
 TUNED: dict[str, Any] = {
-    "step_wait_weight": 1.0,
     "saturation_queue_s": 0.08,
     "max_running_per_worker": 10,
     "kv_usage_saturation": 0.9,
@@ -123,7 +122,6 @@ class _Own:
     prefilling: int = 0
     queued: int = 0
     engine: list[Any] | None = None
-    busy_since: float = 0.0
 
 
 @dataclass(order=True)
@@ -178,8 +176,6 @@ class _Fleet:
 
     def dispatch(self, now: float, w: int, uncached: int, max_tokens: int) -> None:
         o = self.own[w]
-        if o.running == 0:
-            o.busy_since = now
         done = now + (o.queued + uncached) / TRUE_PREFILL_TOKENS_PER_S
         o.running += 1
         o.prefilling += 1
@@ -192,15 +188,7 @@ class _Fleet:
         heapq.heappush(self.events, _Event(at, self.seq, kind, w, tokens))
 
     def loads(self, now: float) -> list[list[Any]]:
-        rows = []
-        for i, o in enumerate(self.own):
-            steps = None
-            if o.running > 0:
-                p = STEP_PERIOD_S[i]
-                last = o.busy_since + int((now - o.busy_since) / p) * p
-                steps = [p, last]
-            rows.append([o.running, o.prefilling, o.queued, o.engine, steps])
-        return rows
+        return [[o.running, o.prefilling, o.queued, o.engine] for o in self.own]
 
 
 def record_run(profile: str, scenario: str, config: dict[str, Any]) -> dict[str, Any]:

@@ -21,7 +21,7 @@ N = len(b"<user>hello there<assistant>")  # the fake engine's render: one token 
 
 def test_admin_decisions_show_every_term_and_they_sum_to_the_estimate() -> None:
     async def go() -> dict[str, Any]:
-        async with rig(3, policy={"step_wait_weight": 1.0}) as r:
+        async with rig(3) as r:
             # w1 is the home (beats the others by a hash unit); w0's full attention holds
             # more than anyone reuses (a junction credit)
             r.index.scores = {"w0": 0, "w1": 24, "w2": 4}

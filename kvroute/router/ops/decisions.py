@@ -110,7 +110,6 @@ def candidate_json(c: Candidate) -> dict[str, Any]:
         "queued_prefill_tokens": c.queued_tokens,
         "kv_usage": c.kv_usage,
         "est_ttft_s": round(c.est_ttft_s, 6),
-        "step_wait_s": round(c.step_wait_s, 6),
         "saturated": c.saturated,
         "affinity_tokens": c.affinity,
         # the prompt's tokens by where the worker gets them: reused on GPU, loaded from its

@@ -136,7 +136,6 @@ class LoadModel:
         for every worker per request)."""
         cfg = self.cfg
         n_tokens = req.n_tokens
-        step_weight = cfg.step_wait_weight
         sat_queue = cfg.saturation_queue_s
         max_running = cfg.max_running_per_worker
         kv_sat = cfg.kv_usage_saturation
@@ -168,15 +167,12 @@ class LoadModel:
             tier = tiers.get(name) if tiers else None
             if tier is not None:  # loaded from a lower tier: not prefilled
                 uncached = max(0, uncached - tier.total)
-            step_wait = load.steps.expected_wait(now, running > 0) if step_weight else 0.0
             saturated = (
                 queued * inv_rate > sat_queue
                 or running >= max_running
                 or (kv is not None and kv >= kv_sat)
             )
-            cand = Candidate(
-                worker, r, uncached, running, queued, kv, 0.0, saturated, step_wait_s=step_wait
-            )
+            cand = Candidate(worker, r, uncached, running, queued, kv, 0.0, saturated)
             if tier is not None:
                 cand.cpu_tokens, cand.storage_tokens = tier.cpu, tier.storage
             append(cand)

@@ -27,7 +27,6 @@ class Candidate:
     # full-attention prompt tokens a junction saved here would make reusable beyond the
     # fleet's best reuse (`kvroute.router.routing.terms.junction`)
     affinity: int = 0
-    step_wait_s: float = 0.0  # expected wait for the worker's step in flight (unweighted)
     # prompt tokens beyond `reuse` the worker loads from its CPU / storage tier (not in
     # `uncached`; priced by `kvroute.router.routing.terms.tier_load`)
     cpu_tokens: int = 0

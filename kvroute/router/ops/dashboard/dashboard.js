@@ -293,7 +293,6 @@
         tierText(c) + " · " + c.est_ttft_s.toFixed(3) + " s" + (c.saturated ? " · saturated" : "")));
       chip.title = "uncached " + num(c.uncached_tokens) + " tokens, running " + num(c.running) +
         ", queued prefill " + num(c.queued_prefill_tokens) + " tokens" +
-        (c.step_wait_s ? ", step in flight ends in " + (c.step_wait_s * 1000).toFixed(1) + " ms" : "") +
         termsTitle(c);
       const terms = termsText(c);
       if (terms) chip.appendChild(el("span", terms, "terms"));

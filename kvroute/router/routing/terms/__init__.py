@@ -15,14 +15,12 @@ from kvroute.router.routing.terms.placement import Placement
 from kvroute.router.routing.terms.prefill import Prefill
 from kvroute.router.routing.terms.queue import Queue
 from kvroute.router.routing.terms.running import Home, Running
-from kvroute.router.routing.terms.step_wait import StepWait
 from kvroute.router.routing.terms.tier_load import TierLoad
 
 __all__ = ["LOAD_TERMS", "ORDER", "TERMS", "Pricing", "Term"]
 
 TERMS: dict[str, type[Term]] = {
-    t.name: t
-    for t in (Queue, Prefill, TierLoad, Running, Home, StepWait, HomeBound, Junction, Placement)
+    t.name: t for t in (Queue, Prefill, TierLoad, Running, Home, HomeBound, Junction, Placement)
 }
 ORDER: tuple[str, ...] = tuple(TERMS)
 # the estimated TTFT, which every policy computes (the proxy releases queued prefill by it)

@@ -391,7 +391,7 @@ def test_a_cold_request_waits_a_queue_in_full() -> None:
 @settings(max_examples=300, deadline=None)
 @given(st.data())
 def test_the_ranking_does_not_depend_on_the_configured_rate(data: st.DataObject) -> None:
-    """Every term of the estimate but the step wait is in prefill tokens, so a fleet's true
+    """Every term of the estimate is in prefill tokens, so a fleet's true
     rate changes the seconds, not the choice (saturation, a wall-time bound, set aside).
     Rates a power of two apart scale every product exactly, so near-ties cannot flip."""
     n = data.draw(st.integers(2, 5))

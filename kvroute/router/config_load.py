@@ -44,6 +44,7 @@ RETIRED_KEYS = {
     "policy.affinity_max_workers": (
         "the policy now takes every worker's full-attention coverage from the scoring walk"
     ),
+    "policy.step_wait_weight": "the step wait was removed; docs/decisions/step-wait.md",
 }
 # Policy keys once in seconds, now in prefill tokens (so a fleet's true rate keeps the
 # ranking): converted at the configured rate with a warning, so the router ranks as before.

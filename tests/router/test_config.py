@@ -181,11 +181,14 @@ def test_discovery_section_is_validated() -> None:
         config_from_dict({**FLEET, "discovery": {"files": {}}})
 
 
-def test_retired_key_is_ignored_with_one_warning(caplog: pytest.LogCaptureFixture) -> None:
+@pytest.mark.parametrize("key", ["affinity_max_workers", "step_wait_weight"])
+def test_retired_key_is_ignored_with_one_warning(
+    key: str, caplog: pytest.LogCaptureFixture
+) -> None:
     with caplog.at_level(logging.WARNING, logger="kvroute.router.config_load"):
-        cfg = config_from_dict({**FLEET, "policy": {"name": "ttft", "affinity_max_workers": 64}})
+        cfg = config_from_dict({**FLEET, "policy": {"name": "ttft", key: 64}})
     assert cfg.policy.name == "ttft"
-    warnings = [r for r in caplog.records if "affinity_max_workers" in r.getMessage()]
+    warnings = [r for r in caplog.records if key in r.getMessage()]
     assert len(warnings) == 1 and "ignored" in warnings[0].getMessage()
     # a misspelt key next to it is still an error
     with pytest.raises(ConfigError, match="affinty_weight: unknown key"):

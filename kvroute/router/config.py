@@ -95,16 +95,6 @@ class PolicyConfig:
         "prefill tokens each request already running on a worker adds to its TTFT estimate, for "
         "the decode steps that interleave with a prefill (>= 0)",
     )
-    tokens_per_running_home: float = _f(
-        20.0,
-        "the same charge, in tokens (>= 0), on the request's home: the one worker whose predicted "
-        "reuse beats every other's by at least a hash unit",
-    )
-    home_load_bound: float = _f(
-        1.5,
-        "the home keeps its lower charge only while it runs at most this many times the fleet's "
-        "mean running requests (ratio >= 0; 0 = always)",
-    )
     full_queue_without_reuse: bool = _f(
         True,
         "on a worker that reuses nothing of the request, count its queued prefill in full instead "

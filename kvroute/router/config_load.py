@@ -45,12 +45,20 @@ RETIRED_KEYS = {
         "the policy now takes every worker's full-attention coverage from the scoring walk"
     ),
     "policy.step_wait_weight": "the step wait was removed; docs/decisions/step-wait.md",
+    "policy.tokens_per_running_home": (
+        "the home discount was removed; docs/decisions/home-discount-and-load-bound.md"
+    ),
+    "policy.home_load_bound": (
+        "the home discount was removed; docs/decisions/home-discount-and-load-bound.md"
+    ),
+    "policy.decode_s_per_running_home": (
+        "the home discount was removed; docs/decisions/home-discount-and-load-bound.md"
+    ),
 }
 # Policy keys once in seconds, now in prefill tokens (so a fleet's true rate keeps the
 # ranking): converted at the configured rate with a warning, so the router ranks as before.
 SECONDS_TO_TOKENS_KEYS = {
     "decode_s_per_running": "tokens_per_running",
-    "decode_s_per_running_home": "tokens_per_running_home",
     "session_slack_s": "session_slack_tokens",
 }
 
@@ -347,7 +355,6 @@ def validate(c: RouterConfig) -> list[str]:
     ):
         need(getattr(p, key) > 0, f"policy.{key}: expected a number > 0")
     need(p.tokens_per_running >= 0, "policy.tokens_per_running: expected >= 0")
-    need(p.tokens_per_running_home >= 0, "policy.tokens_per_running_home: expected >= 0")
     need(p.affinity_weight >= 0, "policy.affinity_weight: expected >= 0")
     need(p.sharing_max_keys >= 1, "policy.sharing_max_keys: expected >= 1")
     need(p.placement_weight >= 0, "policy.placement_weight: expected >= 0")
@@ -358,7 +365,6 @@ def validate(c: RouterConfig) -> list[str]:
     need(p.queue_weight >= 0, "policy.queue_weight: expected >= 0")
     need(p.session_bounded_load >= 1, "policy.session_bounded_load: expected >= 1")
     need(p.session_slack_tokens >= 0, "policy.session_slack_tokens: expected >= 0")
-    need(p.home_load_bound >= 0, "policy.home_load_bound: expected >= 0")
     need(0 < p.kv_usage_saturation <= 1, "policy.kv_usage_saturation: expected in (0, 1]")
     need(p.max_running_per_worker >= 1, "policy.max_running_per_worker: expected >= 1")
     need(p.virtual_nodes >= 1, "policy.virtual_nodes: expected >= 1")

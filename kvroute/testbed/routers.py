@@ -130,22 +130,6 @@ ROUTERS: dict[str, RouterSpec] = {
             (("KVROUTE_POLICY__SATURATION_QUEUE_S", "1000000000"),),
         ),
         RouterSpec(
-            "kvroute-unbounded-home",
-            "kvroute (default, home discount at any load, the earlier rule)",
-            "kvroute",
-            "ttft",
-            (("KVROUTE_POLICY__HOME_LOAD_BOUND", "0"),),
-        ),
-        RouterSpec(
-            "kvroute-no-home",
-            "kvroute (default, no home discount: every worker's running requests at one charge)",
-            "kvroute",
-            "ttft",
-            # the home charged tokens_per_running's default: the costs of a policy without the
-            # `home` and `home_bound` terms
-            (("KVROUTE_POLICY__TOKENS_PER_RUNNING_HOME", "100"),),
-        ),
-        RouterSpec(
             "kvroute-true-rate",
             "kvroute (default, told the simulated fleet's true prefill rate, 5,600 tokens/s)",
             "kvroute",

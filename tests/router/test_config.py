@@ -181,7 +181,16 @@ def test_discovery_section_is_validated() -> None:
         config_from_dict({**FLEET, "discovery": {"files": {}}})
 
 
-@pytest.mark.parametrize("key", ["affinity_max_workers", "step_wait_weight"])
+@pytest.mark.parametrize(
+    "key",
+    [
+        "affinity_max_workers",
+        "step_wait_weight",
+        "tokens_per_running_home",
+        "home_load_bound",
+        "decode_s_per_running_home",
+    ],
+)
 def test_retired_key_is_ignored_with_one_warning(
     key: str, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -202,16 +211,13 @@ def test_former_seconds_keys_become_tokens_at_the_configured_rate(
     keeps routing as it did: seconds x its prefill rate, with one warning per key."""
     old = {
         "decode_s_per_running": 0.004,
-        "decode_s_per_running_home": 0.002,
         "session_slack_s": 0.05,
     }
     with caplog.at_level(logging.WARNING, logger="kvroute.router.config_load"):
         cfg = config_from_dict({**FLEET, "policy": {"prefill_tokens_per_s": 10_000, **old}})
     p = cfg.policy
-    assert (p.tokens_per_running, p.tokens_per_running_home, p.session_slack_tokens) == (
-        40.0, 20.0, 500.0,
-    )  # fmt: skip
-    assert len([r for r in caplog.records if "prefill tokens" in r.getMessage()]) == 3
+    assert (p.tokens_per_running, p.session_slack_tokens) == (40.0, 500.0)
+    assert len([r for r in caplog.records if "prefill tokens" in r.getMessage()]) == 2
     # at the default rate
     cfg = config_from_dict({**FLEET, "policy": {"decode_s_per_running": 0.005}})
     assert cfg.policy.tokens_per_running == 100.0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -21,7 +22,6 @@ from kvroute.router.routing.policy import (
     Decision,
     LoadModel,
     RouteInput,
-    home_worker,
     make_policy,
     session_key,
 )
@@ -191,29 +191,6 @@ def test_cold_session_leaves_its_hash_for_a_worker_without_a_queued_prefill() ->
     assert d.chosen is not None and d.chosen.name == home
 
 
-def test_a_crowded_home_loses_its_discount_with_home_load_bound() -> None:
-    """A tenant's 1,200-token system prompt cached only on w0, which already runs 20
-    requests (the others 2): the home discount keeps drawing new conversations there unless
-    the bound takes it back."""
-
-    def chosen(bound: float) -> str:
-        cfg, lm = policy(home_load_bound=bound)
-        ws = fleet(4)
-        for w in ws:
-            for _ in range(20 if w.name == "w0" else 2):
-                LoadTicket(w.load, 0).prefill_done()
-        d = make_policy(cfg, lm).decide(ws, RouteInput(1400, {"w0": 1200}, None), 0.0)
-        assert d.chosen is not None
-        return d.chosen.name
-
-    # 1,200 tokens at 20k tok/s is 60 ms; 20 running at 1 ms (home) against 2 at 5 ms
-    assert chosen(0.0) == "w0"
-    # bound 1.5: w0 runs 20 > 1.5 x the mean 6.5, so 5 ms each: 110 ms against 80 ms
-    assert chosen(1.5) != "w0"
-    # a home within the bound keeps its discount
-    assert chosen(4.0) == "w0"
-
-
 def test_baseline_policies() -> None:
     ws = fleet(3)
     cfg, lm = policy("round_robin")
@@ -330,35 +307,29 @@ def test_junction_credit_is_for_what_others_share_beyond_the_fleets_best() -> No
     assert d.chosen is not None and d.chosen.name == "w1" and d.chosen.affinity == 3500
 
 
-def test_home_worker_is_the_unique_best_by_a_margin() -> None:
-    assert home_worker({"a": 800, "b": 656, "c": None}, 16) == "a"
-    assert home_worker({"a": 660, "b": 656}, 16) is None  # within a hash unit: shared
-    assert home_worker({"a": 656, "b": 656, "c": 0}, 16) is None  # a shared system prompt
-    assert home_worker({"a": None, "b": None}, 16) is None
-    assert home_worker({}, 16) is None
-    assert home_worker({"a": 0, "b": 32}, 16) == "b"
-    assert home_worker({"a": 10}, 16) is None and home_worker({"a": 16}, 16) == "a"
-
-
-def test_a_conversation_stays_home_despite_more_running_there() -> None:
+def test_running_requests_cost_the_same_where_the_conversation_lives() -> None:
+    """w0 holds a follow-up's conversation and runs 5 requests, w1 holds only the shared
+    system prompt and runs 2: both pay 100 tokens a running request, so the 144 tokens w0
+    saves do not outweigh its 300 tokens more of running load."""
     ws = fleet(2)
     for _ in range(5):
-        LoadTicket(ws[0].load, 0)  # w0 holds the conversation and runs 5 requests
+        LoadTicket(ws[0].load, 0)
     for _ in range(2):
         LoadTicket(ws[1].load, 0)
-    # 1,000 tokens: w0 holds 800 (system prompt + the first turn), w1 the 656 of the prompt
-    follow_up = RouteInput(1000, {"w0": 800, "w1": 656}, "s")
-    for home_charge, expected in ((100, "w1"), (20, "w0")):
-        cfg, lm = policy(tokens_per_running=100, tokens_per_running_home=home_charge)
-        d = make_policy(cfg, lm).decide(ws, follow_up, 0.0)
-        # home charged 100 tokens (5 ms at 20,000/s): 0.010 + 0.025 s on w0 vs 0.0172 +
-        # 0.010 s on w1; charged 20 tokens: 0.010 + 0.005 s on w0
-        # (w0's 5 running are within home_load_bound: 1.5 x the mean 3.5)
-        assert d.chosen is not None and d.chosen.name == expected, home_charge
-    # A new conversation (only the shared system prompt cached) still spreads by running.
-    cfg, lm = policy()
-    d = make_policy(cfg, lm).decide(ws, RouteInput(1000, {"w0": 656, "w1": 656}, "t"), 0.0)
+    cfg, lm = policy(tokens_per_running=100)
+    d = make_policy(cfg, lm).decide(ws, RouteInput(1000, {"w0": 800, "w1": 656}, "s"), 0.0)
+    by = {c.name: c for c in d.candidates}
+    # 200 + 500 tokens on w0 against 344 + 200 on w1, at 20,000 tokens/s
+    assert by["w0"].terms["running"] == pytest.approx(500 / 20_000)
+    assert by["w0"].est_ttft_s == pytest.approx(700 / 20_000)
+    assert by["w1"].est_ttft_s == pytest.approx(544 / 20_000)
     assert d.chosen is not None and d.chosen.name == "w1"
+    # with w0 as lightly loaded as w1 the conversation stays
+    LoadTicket(ws[1].load, 0)
+    LoadTicket(ws[1].load, 0)
+    LoadTicket(ws[1].load, 0)
+    d = make_policy(cfg, lm).decide(ws, RouteInput(1000, {"w0": 800, "w1": 656}, "s"), 0.0)
+    assert d.chosen is not None and d.chosen.name == "w0"
 
 
 def test_a_cold_request_waits_a_queue_in_full() -> None:
@@ -383,8 +354,7 @@ def test_a_cold_request_waits_a_queue_in_full() -> None:
     # with reuse there the queue keeps its weight (a request stays with its cache)
     warm = RouteInput(6900, {"w0": 3000, "w1": 0}, None)
     c0 = next(c for c in make_policy(cfg, lm).decide(ws, warm, 0.0).candidates if c.name == "w0")
-    # w0 is the home, but it runs 1 against a fleet mean of 0.5 (above home_load_bound 1.5x),
-    # so its running request is charged in full
+    # its running request is charged 100 tokens (5 ms)
     assert abs(c0.est_ttft_s - ((0.25 * 6900 + 3900) / 20_000 + 0.005)) < 1e-9
 
 

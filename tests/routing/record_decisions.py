@@ -65,8 +65,6 @@ TUNED: dict[str, Any] = {
     "kv_usage_saturation": 0.9,
     "full_queue_without_reuse": False,
     "junction_shared_only": False,
-    "home_load_bound": 1.1,
-    "tokens_per_running_home": 10.0,
 }
 RUNS: list[tuple[str, str, dict[str, Any]]] = [
     *((p, "ttft", {}) for p in ("dense", "swa", "mamba")),

@@ -22,8 +22,8 @@ N = len(b"<user>hello there<assistant>")  # the fake engine's render: one token 
 def test_admin_decisions_show_every_term_and_they_sum_to_the_estimate() -> None:
     async def go() -> dict[str, Any]:
         async with rig(3) as r:
-            # w1 is the home (beats the others by a hash unit); w0's full attention holds
-            # more than anyone reuses (a junction credit)
+            # w1 reuses the most; w0's full attention holds more than anyone reuses (a
+            # junction credit)
             r.index.scores = {"w0": 0, "w1": 24, "w2": 4}
             r.index.coverages = {"w0": N - 1}
             w2 = r.parts.registry.get("w2")
@@ -52,27 +52,11 @@ def test_admin_decisions_show_every_term_and_they_sum_to_the_estimate() -> None:
     assert by["w0"]["terms"]["prefill"] == pytest.approx(N / rate, abs=1e-6)
     assert by["w2"]["terms"]["queue"] == pytest.approx(0.25 * 400 / rate, abs=1e-6)  # reused
     assert by["w2"]["terms"]["running"] == pytest.approx(3 * 100 / rate, abs=1e-6)
-    assert by["w1"]["terms"]["running"] == 0.0 and by["w1"]["terms"]["home"] == 0.0
+    assert by["w1"]["terms"]["running"] == 0.0  # nothing running there
     assert by["w0"]["affinity_tokens"] == N - 1 - 24
     assert by["w0"]["terms"]["junction"] == pytest.approx(-1.5 * (N - 1 - 24) / rate, abs=1e-6)
     assert by["w0"]["cost_s"] < by["w0"]["est_ttft_s"]
     assert d["chosen"] == "w1" and d["reason"] == "cache"
-
-
-def test_the_home_and_its_bound_are_terms_of_their_own() -> None:
-    cfg = PolicyConfig(home_load_bound=1.2)
-    ws = fleet(3)
-    for w, running in zip(ws, (9, 1, 2), strict=True):
-        w.load.running = running
-    policy = make_policy(cfg, LoadModel(cfg, lambda: 1000.0, 5.0))
-    d = policy.decide(ws, RouteInput(1000, {"w0": 800, "w1": 0, "w2": 0}, None), 0.0)
-    spt = 1 / cfg.prefill_tokens_per_s
-    w0 = next(c for c in d.candidates if c.name == "w0")
-    assert w0.terms["running"] == 0.0
-    assert w0.terms["home"] == pytest.approx(9 * cfg.tokens_per_running_home * spt)
-    extra = (cfg.tokens_per_running - cfg.tokens_per_running_home) * spt
-    assert w0.terms["home_bound"] == pytest.approx(9 * extra)  # 9 > 1.2 x mean 4
-    assert w0.est_ttft_s == pytest.approx(sum(w0.terms.values()))
 
 
 def test_policies_declare_what_they_need() -> None:

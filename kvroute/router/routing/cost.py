@@ -36,24 +36,6 @@ class TermSet:
         object.__setattr__(self, "n_time", n_time)
 
 
-def home_worker(reuse: Mapping[str, int | None], margin: int) -> str | None:
-    """The worker whose predicted reuse exceeds every other's by at least `margin` tokens
-    (where the request's own conversation is cached, beyond what the fleet shares, such as a
-    system prompt), or None when the best is shared or there is no evidence."""
-    best_name: str | None = None
-    best = second = 0
-    for name, r in reuse.items():
-        if r is None:
-            continue
-        if best_name is None or r > best:
-            best_name, best, second = name, r, best
-        elif r > second:
-            second = r
-    if best_name is None or best - second < max(margin, 1):
-        return None
-    return best_name
-
-
 class LoadModel:
     """Turns workers' load and a request's predicted reuse into priced candidates."""
 
@@ -97,14 +79,7 @@ class LoadModel:
         cands = self._observe(workers, req, now, inv_rate)
         if not cands:
             return cands
-        home = home_worker(req.reuse, self.cfg.hash_unit)
-        home_at = -1
-        if home is not None:
-            for i, c in enumerate(cands):
-                if c.worker.spec.name == home:
-                    home_at = i
-                    break
-        p = Pricing(inv_rate, home_at, req)
+        p = Pricing(inv_rate, req)
         columns = [t.values(cands, p) for t in terms.terms]
         names, k = terms.names, terms.n_time
         # Column by column in the terms' order (C-level adds: the cheapest for large fleets),

@@ -23,7 +23,7 @@ from typing import ClassVar
 
 from kvroute.router.config import PolicyConfig
 from kvroute.router.fleet.workers import Worker
-from kvroute.router.routing.cost import LoadModel, home_worker
+from kvroute.router.routing.cost import LoadModel
 from kvroute.router.routing.hashring import HashRing
 from kvroute.router.routing.records import Candidate, Decision, RouteInput
 from kvroute.router.routing.terms import LOAD_TERMS, ORDER
@@ -35,7 +35,6 @@ __all__ = [
     "LoadModel",
     "Policy",
     "RouteInput",
-    "home_worker",
     "make_policy",
     "session_key",
 ]

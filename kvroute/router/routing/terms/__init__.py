@@ -9,18 +9,17 @@ A policy prices each eligible worker as the sum of these terms, in seconds, in t
 from __future__ import annotations
 
 from kvroute.router.routing.terms.base import Pricing, Term
-from kvroute.router.routing.terms.home_bound import HomeBound
 from kvroute.router.routing.terms.junction import Junction
 from kvroute.router.routing.terms.placement import Placement
 from kvroute.router.routing.terms.prefill import Prefill
 from kvroute.router.routing.terms.queue import Queue
-from kvroute.router.routing.terms.running import Home, Running
+from kvroute.router.routing.terms.running import Running
 from kvroute.router.routing.terms.tier_load import TierLoad
 
 __all__ = ["LOAD_TERMS", "ORDER", "TERMS", "Pricing", "Term"]
 
 TERMS: dict[str, type[Term]] = {
-    t.name: t for t in (Queue, Prefill, TierLoad, Running, Home, HomeBound, Junction, Placement)
+    t.name: t for t in (Queue, Prefill, TierLoad, Running, Junction, Placement)
 }
 ORDER: tuple[str, ...] = tuple(TERMS)
 # the estimated TTFT, which every policy computes (the proxy releases queued prefill by it)

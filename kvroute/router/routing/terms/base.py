@@ -16,9 +16,6 @@ class Pricing:
     """What every term of one decision reads besides the candidates."""
 
     seconds_per_token: float  # prefill seconds per token (configured or learned rate)
-    # the position among the candidates of the request's home worker
-    # (`kvroute.router.routing.cost.home_worker`), or -1 when it has none
-    home_at: int
     req: RouteInput
 
 

@@ -324,7 +324,7 @@ def test_running_requests_cost_the_same_where_the_conversation_lives() -> None:
     assert by["w0"].est_ttft_s == pytest.approx(700 / 20_000)
     assert by["w1"].est_ttft_s == pytest.approx(544 / 20_000)
     assert d.chosen is not None and d.chosen.name == "w1"
-    # with w0 as lightly loaded as w1 the conversation stays
+    # with w1 as loaded as w0 the conversation stays
     LoadTicket(ws[1].load, 0)
     LoadTicket(ws[1].load, 0)
     LoadTicket(ws[1].load, 0)

@@ -1,7 +1,7 @@
 """A worker's cost for one request: its load as observed, priced by the named terms.
 
 `LoadModel.price` builds one `Candidate` per eligible worker from its load (this router's
-in-flight requests, the engine's last /metrics scrape, the step clock), marks it saturated
+in-flight requests and the engine's last /metrics scrape), marks it saturated
 (the guard the policy spills on), then asks each term (`kvroute.router.routing.terms`) for
 its value on every candidate and sums them: the time terms give `Candidate.est_ttft_s`, all
 of them `Candidate.cost_s`, and `Candidate.terms` keeps each value.

@@ -45,14 +45,13 @@ RETIRED_KEYS = {
         "the policy now takes every worker's full-attention coverage from the scoring walk"
     ),
     "policy.step_wait_weight": "the step wait was removed; docs/decisions/step-wait.md",
-    "policy.tokens_per_running_home": (
-        "the home discount was removed; docs/decisions/home-discount-and-load-bound.md"
-    ),
-    "policy.home_load_bound": (
-        "the home discount was removed; docs/decisions/home-discount-and-load-bound.md"
-    ),
-    "policy.decode_s_per_running_home": (
-        "the home discount was removed; docs/decisions/home-discount-and-load-bound.md"
+    **dict.fromkeys(
+        (
+            "policy.tokens_per_running_home",
+            "policy.home_load_bound",
+            "policy.decode_s_per_running_home",
+        ),
+        "the home discount was removed; docs/decisions/home-discount-and-load-bound.md",
     ),
 }
 # Policy keys once in seconds, now in prefill tokens (so a fleet's true rate keeps the

@@ -23,9 +23,9 @@ def ticks(clock: StepClock, start: float, period: float, steps: int, streams: in
 def test_learns_the_period_and_merges_the_chunks_of_one_step() -> None:
     clock = StepClock()
     assert clock.period is None
-    last = ticks(clock, 100.0, 0.034, 12)
+    ticks(clock, 100.0, 0.034, 12)
+    # exact: the 2nd and 3rd chunk of a step (0.4 ms apart) neither add a gap nor move the end
     assert clock.period == pytest.approx(0.034, abs=1e-9)
-    assert clock.last_end == pytest.approx(last)
 
 
 def test_a_missed_step_and_an_idle_gap_do_not_move_the_period() -> None:
@@ -36,7 +36,15 @@ def test_a_missed_step_and_an_idle_gap_do_not_move_the_period() -> None:
     assert clock.period == pytest.approx(0.02, abs=1e-9)
     clock.observe(last + 5.0)  # idle for seconds, then a new stream
     assert clock.period == pytest.approx(0.02, abs=1e-9)
-    assert clock.last_end == pytest.approx(last + 5.0)
+
+
+def test_after_an_idle_gap_the_next_gap_counts_from_the_new_stream() -> None:
+    clock = StepClock()
+    clock.observe(0.0)
+    clock.observe(5.0)  # idle: not a step, but the new stream's first step end
+    assert clock.period is None
+    clock.observe(5.03)
+    assert clock.period == pytest.approx(0.03, abs=1e-9)
 
 
 def test_the_period_follows_a_new_step_time_within_the_window() -> None:

@@ -56,11 +56,6 @@ class StepClock:
             self._period_stale = False
         return self._period
 
-    @property
-    def last_end(self) -> float | None:
-        """When the last step end was seen (the caller's clock), or None."""
-        return self._last_end
-
     def observe(self, at: float) -> None:
         """A streamed chunk from this worker arrived at time `at`."""
         last = self._last_end

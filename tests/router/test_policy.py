@@ -317,7 +317,8 @@ def test_running_requests_cost_the_same_where_the_conversation_lives() -> None:
     for _ in range(2):
         LoadTicket(ws[1].load, 0)
     cfg, lm = policy(tokens_per_running=100)
-    d = make_policy(cfg, lm).decide(ws, RouteInput(1000, {"w0": 800, "w1": 656}, "s"), 0.0)
+    follow_up = RouteInput(1000, {"w0": 800, "w1": 656}, "s")
+    d = make_policy(cfg, lm).decide(ws, follow_up, 0.0)
     by = {c.name: c for c in d.candidates}
     # 200 + 500 tokens on w0 against 344 + 200 on w1, at 20,000 tokens/s
     assert by["w0"].terms["running"] == pytest.approx(500 / 20_000)
@@ -325,10 +326,9 @@ def test_running_requests_cost_the_same_where_the_conversation_lives() -> None:
     assert by["w1"].est_ttft_s == pytest.approx(544 / 20_000)
     assert d.chosen is not None and d.chosen.name == "w1"
     # with w1 as loaded as w0 the conversation stays
-    LoadTicket(ws[1].load, 0)
-    LoadTicket(ws[1].load, 0)
-    LoadTicket(ws[1].load, 0)
-    d = make_policy(cfg, lm).decide(ws, RouteInput(1000, {"w0": 800, "w1": 656}, "s"), 0.0)
+    for _ in range(3):
+        LoadTicket(ws[1].load, 0)
+    d = make_policy(cfg, lm).decide(ws, follow_up, 0.0)
     assert d.chosen is not None and d.chosen.name == "w0"
 
 
